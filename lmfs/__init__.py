@@ -1,0 +1,12 @@
+"""lmfs: language models from scratch.
+
+The package behind the lecture notebooks in ``lectures/``. Every real implementation the
+lectures use lives here, one module per idea; notebooks display it with :func:`lmfs.show`.
+"""
+
+__version__ = "0.1.0"
+
+from lmfs.env import banner, resolve_device, resolve_scale, seed_everything, setup
+from lmfs.show import show
+
+__all__ = ["banner", "resolve_device", "resolve_scale", "seed_everything", "setup", "show"]

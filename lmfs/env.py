@@ -1,0 +1,148 @@
+"""Where and how big: device, dtype and scale selection, seeding, and the version banner.
+
+Every notebook starts with one call::
+
+    ctx = lmfs.setup(SCALE, DEVICE, seed=0)   # prints the banner, seeds every RNG
+    ctx.scale, ctx.device, ctx.dtype            # -> "smoke", device("cpu"), torch.float32
+
+Resolution order for ``"auto"``: the environment variable (``LMFS_SCALE``, ``LMFS_DEVICE``)
+first, then the hardware: scale ``full`` with a CUDA GPU and ``smoke`` without one; device
+cuda -> mps -> cpu. nbval cannot pass notebook parameters, so the environment variables are how
+the test suite chooses a scale; papermill's ``-p SCALE full`` overrides through its injected cell.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SCALES = ("smoke", "full")
+DEVICES = ("cpu", "cuda", "mps")
+
+
+def _has_mps() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def resolve_scale(scale: str = "auto") -> str:
+    """Return ``"smoke"`` or ``"full"``.
+
+    ``"auto"`` reads ``LMFS_SCALE`` and falls back to ``full`` on a CUDA machine, ``smoke``
+    elsewhere. Anything else must be one of :data:`SCALES`.
+    """
+    if scale is None or scale == "auto":
+        scale = os.environ.get("LMFS_SCALE", "auto") or "auto"
+        if scale == "auto":
+            return "full" if torch.cuda.is_available() else "smoke"
+    scale = str(scale).strip().lower()
+    if scale not in SCALES:
+        raise ValueError(
+            f"unknown scale {scale!r}: choose one of {', '.join(SCALES)} or 'auto' "
+            "(set it with the notebook's SCALE parameter or the LMFS_SCALE environment variable)"
+        )
+    return scale
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Return the torch device to use: ``LMFS_DEVICE`` first, then cuda -> mps -> cpu.
+
+    An explicit device that this machine lacks raises an error naming what is available.
+    """
+    if isinstance(device, torch.device):
+        device = str(device)
+    if device is None or device == "auto":
+        device = os.environ.get("LMFS_DEVICE", "auto") or "auto"
+        if device == "auto":
+            if torch.cuda.is_available():
+                return torch.device("cuda")
+            return torch.device("mps") if _has_mps() else torch.device("cpu")
+    name = str(device).strip().lower()
+    if name.split(":")[0] not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)} or 'auto'")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "device 'cuda' was asked for but torch sees no CUDA GPU here; "
+            "use DEVICE='auto' or 'cpu' (or unset LMFS_DEVICE)"
+        )
+    if dev.type == "mps" and not _has_mps():
+        raise RuntimeError("device 'mps' was asked for but this machine has no usable MPS backend; use 'cpu'")
+    return dev
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """The compute dtype a lecture trains in: bf16 on a GPU that supports it, else fp32."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and every GPU) random generators in one call."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def _version(module: str) -> str:
+    try:
+        mod = __import__(module)
+    except Exception:  # not installed, or fails to import on this platform
+        return "not installed"
+    return getattr(mod, "__version__", "?")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)"
+    if device.type == "mps":
+        return "Apple MPS"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def banner(scale: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """One line each: Python, torch, numpy, triton and lmfs versions, the device and the scale."""
+    import lmfs
+
+    lines = [
+        f"python {sys.version.split()[0]} | torch {torch.__version__} | numpy {np.__version__}"
+        f" | triton {_version('triton')} | lmfs {lmfs.__version__}",
+        f"device: {device} = {device_name(device)}",
+        f"scale: {scale}" + (f" | dtype: {str(dtype).replace('torch.', '')}" if dtype else ""),
+    ]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Session:
+    """What a notebook runs with; returned by :func:`setup`."""
+
+    scale: str
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+
+    @property
+    def full(self) -> bool:
+        return self.scale == "full"
+
+
+def setup(scale: str = "auto", device: str = "auto", seed: int = 0, quiet: bool = False) -> Session:
+    """Resolve scale, device and dtype, seed every RNG, print the banner; return a :class:`Session`."""
+    dev = resolve_device(device)
+    session = Session(resolve_scale(scale), dev, default_dtype(dev), seed)
+    seed_everything(seed)
+    if not quiet:
+        print(banner(session.scale, session.device, session.dtype))
+    return session

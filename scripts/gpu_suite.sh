@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU suite: run on a GPU machine (e.g. the lent H200) from the repository root, with the
+# wheelhouse made by `make wheelhouse` beside it. It
+#   1. installs .wheelhouse/*.whl into a temporary folder (no network needed),
+#   2. runs the GPU-marked unit tests (and the rest of the unit tests, on the GPU's Python),
+#   3. runs every lecture notebook at full scale with papermill,
+#   4. runs the GPU benchmarks listed in GPU_BENCHES,
+#   5. writes a report to $OUT (default build/gpu): report.md, lectures.json, pytest.log,
+#      bench-*.json and notebooks.tar.gz (the executed notebooks, with their outputs).
+# A failing step is recorded and the suite goes on; the exit code is non-zero if any step failed.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/gpu}
+SITE=${SITE:-/tmp/lmfs-site}
+GPU_BENCHES=${GPU_BENCHES:-}
+LECTURE_TIMEOUT=${LECTURE_TIMEOUT:-600}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+
+if ls .wheelhouse/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .wheelhouse/*.whl \
+    || { echo "wheelhouse install failed"; exit 1; }
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+else
+  echo "no .wheelhouse/ here: run 'make wheelhouse' on a machine with network and carry it" >&2
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+failed=()
+report="$OUT/report.md"
+{
+  echo "# GPU suite report"
+  echo
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | head -5
+  python3 -c "import lmfs.env as e, torch; print(e.banner('full', e.resolve_device('auto')))" 2>&1
+  echo '```'
+} > "$report"
+
+echo "== unit tests (GPU-marked and the rest) =="
+start=$(date +%s)
+python3 -m pytest -q -n 4 --dist loadfile -p no:cacheprovider tests -rs > "$OUT/pytest.log" 2>&1 || failed+=("unit tests")
+tail -n 25 "$OUT/pytest.log"
+{ echo; echo "## Unit tests ($(( $(date +%s) - start )) s)"; echo; echo '```'; tail -n 15 "$OUT/pytest.log"; echo '```'; } >> "$report"
+
+echo "== lectures at full scale =="
+python3 -m lmfs.lectures run --scale full --device cuda --out build/gpu-lectures --timeout "$LECTURE_TIMEOUT" || failed+=("lectures")
+cp build/gpu-lectures/lectures.json "$OUT/" 2>/dev/null
+{ echo; echo "## Lectures (papermill, full scale)"; echo; cat build/gpu-lectures/lectures.md 2>/dev/null; } >> "$report"
+tar -czf "$OUT/notebooks.tar.gz" -C build gpu-lectures 2>/dev/null
+
+for bench in $GPU_BENCHES; do
+  echo "== benchmark $bench =="
+  { echo; echo "## Benchmark: $bench"; echo; echo '```'; } >> "$report"
+  python3 -m "lmfs.bench.$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$report" || failed+=("bench $bench")
+  echo '```' >> "$report"
+done
+
+{ echo; echo "## Failed steps"; echo; if [ ${#failed[@]} -eq 0 ]; then echo none; else printf -- '- %s\n' "${failed[@]}"; fi; } >> "$report"
+echo "report written to $report"
+[ ${#failed[@]} -eq 0 ]

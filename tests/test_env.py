@@ -1,0 +1,66 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import lmfs
+from lmfs.env import SCALES, banner, default_dtype, resolve_device, resolve_scale, seed_everything, setup
+
+
+def test_scale_resolution(monkeypatch):
+    monkeypatch.delenv("LMFS_SCALE", raising=False)
+    assert resolve_scale("auto") == ("full" if torch.cuda.is_available() else "smoke")
+    monkeypatch.setenv("LMFS_SCALE", "full")
+    assert resolve_scale("auto") == "full"
+    assert resolve_scale("smoke") == "smoke"  # an explicit value beats the environment
+    assert resolve_scale(" FULL ") == "full"
+
+
+def test_unknown_scale_lists_valid_ones(monkeypatch):
+    with pytest.raises(ValueError) as err:
+        resolve_scale("huge")
+    assert all(s in str(err.value) for s in SCALES)
+    monkeypatch.setenv("LMFS_SCALE", "tiny")
+    with pytest.raises(ValueError, match="smoke"):
+        resolve_scale("auto")
+
+
+def test_device_resolution(monkeypatch):
+    monkeypatch.setenv("LMFS_DEVICE", "cpu")
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="choose one of"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            resolve_device("cuda")
+
+
+def test_seed_everything_reproduces_all_generators():
+    def draw():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    seed_everything(123)
+    first = draw()
+    seed_everything(123)
+    assert draw() == first
+    seed_everything(124)
+    assert draw() != first
+
+
+def test_setup_and_banner(capsys):
+    ctx = setup("smoke", "cpu", seed=3)
+    assert (ctx.scale, ctx.device, ctx.dtype, ctx.seed) == ("smoke", torch.device("cpu"), torch.float32, 3)
+    printed = capsys.readouterr().out
+    assert torch.__version__ in printed and lmfs.__version__ in printed and "scale: smoke" in printed
+    assert "cpu" in banner("smoke", torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_cuda_is_chosen_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("LMFS_DEVICE", raising=False)
+    monkeypatch.delenv("LMFS_SCALE", raising=False)
+    assert resolve_device("auto").type == "cuda"
+    assert resolve_scale("auto") == "full"
+    assert default_dtype("cuda") == torch.bfloat16
+    assert torch.cuda.get_device_name() in banner("full", torch.device("cuda"))
