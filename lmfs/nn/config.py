@@ -1,0 +1,150 @@
+"""The one dataclass that describes a transformer LM, and its parameter count in closed form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmfs.nn.layers import FFN_KINDS, default_d_ff, ffn_params, norm_params
+from lmfs.nn.positions import POSITION_KINDS
+
+CHOICES = {
+    "norm": ("rms", "layer"),
+    "norm_position": ("pre", "post", "double"),
+    "ffn": FFN_KINDS,
+    "positions": POSITION_KINDS,
+    "attention": ("mha", "mla"),
+    "attn_impl": ("sdpa", "reference"),
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
+class TransformerConfig:
+    """Every architectural choice of :class:`lmfs.nn.TransformerLM`, validated on creation.
+
+    ``None`` means "the usual default", resolved by the properties ``kv_heads`` (``n_heads``,
+    i.e. MHA) and ``ffn_dim`` (see :func:`lmfs.nn.layers.default_d_ff`). Keeping ``None`` rather
+    than filling it in means ``dataclasses.replace(cfg, ffn="relu")`` picks the right width again.
+    The defaults describe a small Llama-style model: RMSNorm, pre-norm, SwiGLU, RoPE, no biases.
+    """
+
+    vocab_size: int = 256
+    context_length: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None       # None: = n_heads (MHA); 1: MQA; in between: GQA
+    d_ff: int | None = None             # None: 4·d_model plain, 8/3·d_model up to a multiple of 64 gated
+    norm: str = "rms"                   # "rms" | "layer"
+    norm_eps: float = 1e-5
+    norm_position: str = "pre"          # "pre" | "post" | "double" (sandwich)
+    parallel: bool = False              # attention and MLP read the same normed input and are summed
+    ffn: str = "swiglu"                 # "swiglu" | "geglu" | "relu" | "gelu"
+    positions: str = "rope"             # "rope" | "learned" | "sinusoidal" | "none"
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    logit_softcap: float | None = None  # final logits → cap·tanh(logits/cap)
+    attn_softcap: float | None = None   # attention logits → cap·tanh(logits/cap)
+    window: int | None = None           # sliding-window attention span, in tokens (itself included)
+    attention: str = "mha"              # "mha" (also GQA/MQA via n_kv_heads) | "mla"
+    kv_latent_dim: int | None = None    # MLA only: width of the compressed K/V latent
+    tie_embeddings: bool = True         # the output projection reuses the token embedding matrix
+    z_loss: float = 0.0                 # weight of mean(logsumexp(logits)²) added to the loss
+    bias: bool = False                  # biases in the linear layers (never in the output head)
+    init_std: float = 0.02
+    attn_impl: str = "sdpa"             # "sdpa" (fused) | "reference"; attn_softcap forces reference
+
+    def __post_init__(self):
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid TransformerConfig:\n  - " + "\n  - ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return default_d_ff(self.d_model, self.ffn) if self.d_ff is None else self.d_ff
+
+    def num_params(self) -> int:
+        """Parameters of a model built from this config; see :func:`count_params`."""
+        return count_params(self)
+
+    def problems(self) -> list[str]:
+        """Every inconsistency in this config, each phrased with the change that fixes it."""
+        out = []
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}={getattr(self, name)} must be a positive integer")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                out.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if out:  # the checks below assume sane sizes and known choices
+            return out
+
+        if self.d_model % self.n_heads:
+            out.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
+                       f"use n_heads in {_divisors(self.d_model)[:12]} or change d_model")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            out.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}: "
+                       f"use n_kv_heads in {_divisors(self.n_heads)} (or None for MHA)")
+        if self.positions == "rope" and self.head_dim % 2:
+            out.append(f"RoPE needs an even head_dim, got d_model/n_heads={self.head_dim}: "
+                       "change d_model or n_heads, or pick other positions")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            out.append(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.d_ff is not None and self.d_ff < 1:
+            out.append(f"d_ff={self.d_ff} must be positive (or None for the default width)")
+        if self.attention == "mla" and (self.kv_latent_dim is None or self.kv_latent_dim < 1):
+            out.append("attention='mla' needs kv_latent_dim, a positive latent width "
+                       f"(e.g. {max(self.d_model // 4, 1)})")
+        if self.attention == "mha" and self.kv_latent_dim is not None:
+            out.append("kv_latent_dim is only used by MLA: set attention='mla' or kv_latent_dim=None")
+        for name in ("logit_softcap", "attn_softcap", "window"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                out.append(f"{name}={value} must be positive, or None to switch it off")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name}={getattr(self, name)} must be positive")
+        if self.z_loss < 0:
+            out.append(f"z_loss={self.z_loss} must be >= 0 (0 switches it off)")
+        return out
+
+
+def count_params(config: TransformerConfig) -> int:
+    """The number of trainable parameters of ``TransformerLM(config)``, from the config alone.
+
+    Tied embeddings are one matrix and count once. RoPE and sinusoidal positions have no
+    parameters (the sinusoidal table is a buffer), so they add nothing.
+    """
+    c = config
+    d, hd, H, KV, b = c.d_model, c.head_dim, c.n_heads, c.kv_heads, int(c.bias)
+
+    attn = d * H * hd + b * H * hd                          # q_proj
+    kv_in = d
+    if c.attention == "mla":
+        L = c.kv_latent_dim
+        attn += d * L + b * L + norm_params(c.norm, L)     # kv_down and the latent's norm
+        kv_in = L
+    attn += 2 * (kv_in * KV * hd + b * KV * hd)             # k_proj, v_proj
+    attn += H * hd * d + b * d                              # o_proj
+    attn += 2 * hd if c.qk_norm else 0                      # q_norm, k_norm (one gain each)
+
+    branches = 1 if c.parallel else 2                      # residual branches per block
+    norms = branches * norm_params(c.norm, d) * (2 if c.norm_position == "double" else 1)
+    per_layer = attn + ffn_params(c.ffn, d, c.ffn_dim, c.bias) + norms
+
+    total = c.n_layers * per_layer + c.vocab_size * d       # blocks + token embedding
+    total += c.context_length * d if c.positions == "learned" else 0
+    total += norm_params(c.norm, d) if c.norm_position != "post" else 0  # final norm
+    total += 0 if c.tie_embeddings else c.vocab_size * d   # separate output head
+    return total

@@ -1,0 +1,136 @@
+"""How a transformer learns where each token is.
+
+Attention by itself is blind to order (permute the keys and the output does not change), so
+position must come from somewhere:
+
+* ``"learned"``: a trainable vector per position, added to the token embedding (GPT-2).
+* ``"sinusoidal"``: fixed sines and cosines of geometric wavelengths, added likewise
+  (Vaswani et al., 2017).
+* ``"rope"``: rotary embeddings rotate each query and key by an angle proportional to its
+  position, so ``q·k`` depends only on the *relative* offset (Su et al., 2021; Llama).
+* ``"none"`` (NoPE): nothing at all. A causal mask already leaks position: token ``t`` sees
+  exactly ``t + 1`` tokens, and a model can learn to count them (Haviv et al., 2022).
+
+RoPE pairing convention
+-----------------------
+RoPE rotates pairs of dimensions. The RoFormer paper pairs *adjacent* dims ``(2i, 2i+1)``;
+Llama and Hugging Face pair dim ``i`` with dim ``i + d/2`` ("rotate_half"). The two are the same
+operation up to a fixed permutation of the head dimensions, which a trained ``W_q``/``W_k`` absorb,
+so neither is better. **lmfs uses the rotate_half convention**: dims ``i`` and ``i + d/2`` share
+the frequency ``theta^(-2i/d)``. That makes Llama checkpoints load by copying ``W_q`` and ``W_k``
+unchanged (see :mod:`lmfs.nn.hf`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmfs.nn.layers import Embedding
+
+POSITION_KINDS = ("rope", "learned", "sinusoidal", "none")
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
+    """``(cos, sin)``, each ``(T, head_dim)``, for integer ``positions`` of shape ``(T,)``.
+
+    Pair ``i`` (dims ``i`` and ``i + head_dim/2``) turns at frequency ``theta^(-2i/head_dim)``:
+    the first pairs spin fast and resolve nearby tokens, the last ones barely move and carry
+    long-range position. Always float32, on ``positions.device``: angles reach thousands of
+    radians, and bfloat16 would round them to the wrong rotation.
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs of dims, so head_dim must be even, got {head_dim}")
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / theta ** (dims / head_dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # dims i and i + head_dim/2 share an angle
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dim: a 90° turn of every pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every pair of ``x`` ``(..., T, head_dim)`` by its angle: ``x·cos + rot(x)·sin``.
+
+    For a pair ``(a, b)`` this is ``(a cos - b sin, b cos + a sin)``, a plane rotation.
+    """
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding; no parameters. ``forward(x)`` rotates ``x`` ``(B, H, T, head_dim)``
+    with token ``t`` at position ``t``.
+
+    cos/sin are recomputed on each call rather than cached: that costs ``T·head_dim`` trig ops,
+    nothing next to attention, and keeps them in float32 even after ``model.to(torch.bfloat16)``
+    (which would round a cached float buffer).
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[-2], device=x.device)
+        cos, sin = rope_angles(positions, self.head_dim, self.theta)
+        return apply_rope(x, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"
+
+
+def sinusoidal_table(context_length: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
+    """``(context_length, d_model)`` table: ``PE[p, 2i] = sin(p·w_i)``, ``PE[p, 2i+1] = cos(p·w_i)``.
+
+    ``w_i = base^(-2i/d_model)``, so wavelengths grow geometrically from 2π to ``base·2π``.
+    """
+    if d_model % 2:
+        raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
+    freqs = base ** (-torch.arange(0, d_model, 2, dtype=torch.float32) / d_model)
+    angles = torch.arange(context_length, dtype=torch.float32)[:, None] * freqs[None, :]
+    table = torch.empty(context_length, d_model)
+    table[:, 0::2] = angles.sin()
+    table[:, 1::2] = angles.cos()
+    return table
+
+
+class LearnedPositions(nn.Module):
+    """One trainable ``d_model`` vector per position; ``forward(T)`` returns ``(T, d_model)``."""
+
+    def __init__(self, context_length: int, d_model: int):
+        super().__init__()
+        self.table = Embedding(context_length, d_model)
+
+    def forward(self, T: int) -> torch.Tensor:
+        return self.table.weight[:T]
+
+
+class SinusoidalPositions(nn.Module):
+    """The fixed table of :func:`sinusoidal_table`; ``forward(T)`` returns ``(T, d_model)``."""
+
+    def __init__(self, context_length: int, d_model: int):
+        super().__init__()
+        self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
+
+    def forward(self, T: int) -> torch.Tensor:
+        return self.table[:T]
+
+
+def make_absolute_positions(kind: str, context_length: int, d_model: int) -> nn.Module | None:
+    """The additive position module for ``kind``, or ``None`` when positions live elsewhere.
+
+    RoPE acts inside attention and NoPE has nothing to add, so both return ``None``.
+    """
+    if kind not in POSITION_KINDS:
+        raise ValueError(f"unknown positions {kind!r}: use one of {POSITION_KINDS}")
+    if kind == "learned":
+        return LearnedPositions(context_length, d_model)
+    if kind == "sinusoidal":
+        return SinusoidalPositions(context_length, d_model)
+    return None
+

@@ -1,0 +1,156 @@
+"""A decoder-only transformer language model, configurable across the design space of
+GPT-2 / Llama / Gemma / OLMo / DeepSeek by one :class:`~lmfs.nn.config.TransformerConfig`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmfs.nn.attention import CausalSelfAttention
+from lmfs.nn.config import TransformerConfig
+from lmfs.nn.layers import Embedding, Linear, make_ffn, make_norm
+from lmfs.nn.positions import make_absolute_positions
+
+
+class Block(nn.Module):
+    """One transformer layer: attention then MLP, each a residual branch ``x -> x + f(x)``.
+
+    Where the norms go (``config.norm_position``), for a branch ``f``:
+
+        pre:     x = x + f(norm(x))                 GPT-2, Llama: the residual stream stays clean
+        post:    x = norm(x + f(x))                 the original Transformer, BERT
+        double:  x = x + norm_out(f(norm(x)))       "sandwich", Gemma 2: also bounds each update
+
+    With ``config.parallel`` there is one branch ``f(h) = attn(h) + mlp(h)`` instead of two in
+    sequence (GPT-J, PaLM): both read the same input, which lets their matmuls run together.
+    ``forward`` maps ``(B, T, d_model)`` to ``(B, T, d_model)``.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.position = config.norm_position
+        self.parallel = config.parallel
+        self.attn = CausalSelfAttention(config)
+        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias)
+        branches = 1 if config.parallel else 2
+        # norms[i]: the input norm of branch i (pre, double), or the norm after its sum (post).
+        self.norms = nn.ModuleList(
+            make_norm(config.norm, config.d_model, config.norm_eps) for _ in range(branches))
+        self.out_norms = nn.ModuleList(
+            make_norm(config.norm, config.d_model, config.norm_eps) for _ in range(branches)
+        ) if config.norm_position == "double" else None
+
+    def residual(self, x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor], i: int):
+        """Residual branch ``i``: ``x + f(x)`` with the norms where ``norm_position`` puts them."""
+        if self.position == "post":
+            return self.norms[i](x + f(x))
+        y = f(self.norms[i](x))
+        if self.out_norms is not None:
+            y = self.out_norms[i](y)
+        return x + y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            return self.residual(x, lambda h: self.attn(h) + self.mlp(h), 0)
+        x = self.residual(x, self.attn, 0)
+        return self.residual(x, self.mlp, 1)
+
+
+class TransformerLM(nn.Module):
+    """Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab_size)`` and optionally a loss.
+
+    Layout: token embedding (+ learned or sinusoidal positions) -> ``n_layers`` :class:`Block` ->
+    final norm (skipped for post-norm, whose blocks already end in one) -> output head (the
+    embedding matrix itself when ``tie_embeddings``) -> optional soft-cap ``cap·tanh(z/cap)``.
+
+    Initialisation (GPT-2 style): every linear and embedding weight is normal(0, ``init_std``),
+    except the two projections that write into the residual stream (attention ``o_proj`` and
+    MLP ``down``), which use ``init_std / sqrt(2·n_layers)`` so that the stream's variance does
+    not grow with depth (there are ``2·n_layers`` such writes). Biases start at 0, norm gains at
+    1 and LayerNorm biases at 0.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = make_absolute_positions(config.positions, config.context_length, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = (make_norm(config.norm, config.d_model, config.norm_eps)
+                           if config.norm_position != "post" else None)
+        self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Apply the initialisation stated in the class docstring."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (Linear, Embedding)):
+                module.weight.normal_(0.0, std)
+            if isinstance(module, Linear) and module.bias is not None:
+                module.bias.zero_()
+        for block in self.blocks:
+            block.attn.o_proj.weight.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+            block.mlp.down.weight.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+        # Norms were built at weight 1 / bias 0 and nothing above touched them.
+
+    def num_params(self) -> int:
+        """All trainable parameters; a tied embedding is one tensor and counts once.
+
+        Equals :func:`lmfs.nn.count_params` of the config. Buffers such as the sinusoidal
+        position table are not parameters and are not counted.
+        """
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Return ``(logits, loss)``; ``loss`` is ``None`` without ``targets``.
+
+        ``idx`` and ``targets`` are integer ``(B, T)`` with ``T <= context_length``. The loss is the
+        mean cross-entropy over targets that are not ``-100`` (the ignore index), plus
+        ``z_loss · mean(logsumexp(logits)²)`` when ``config.z_loss > 0``, which keeps the softmax
+        normaliser near 1 and the logits from drifting (PaLM).
+        """
+        self._check_input(idx, targets)
+        x = self.tok_emb(idx)  # (B, T, d_model)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(idx.shape[1])
+        for block in self.blocks:
+            x = block(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        logits = x @ self.tok_emb.weight.T if self.lm_head is None else self.lm_head(x)
+        if self.config.logit_softcap is not None:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        if targets is None:
+            return logits, None
+        return logits, self.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of ``(B, T, V)`` logits against ``(B, T)`` targets, plus the z-loss."""
+        flat, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
+        loss = F.cross_entropy(flat, flat_targets, ignore_index=-100)
+        if self.config.z_loss > 0:
+            keep = flat_targets != -100
+            log_z = torch.logsumexp(flat[keep], dim=-1)
+            loss = loss + self.config.z_loss * log_z.pow(2).mean()
+        return loss
+
+    def _check_input(self, idx: torch.Tensor, targets: torch.Tensor | None):
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}; "
+                             "for a single sequence pass idx[None]")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}; use idx.long()")
+        T, ctx = idx.shape[1], self.config.context_length
+        if T > ctx:
+            raise ValueError(f"sequence length {T} exceeds context_length={ctx}: crop the input "
+                             f"(idx[:, -{ctx}:]) or build the model with a larger context_length")
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets must have the same shape as idx {tuple(idx.shape)}, got "
+                             f"{tuple(targets.shape)}; targets are idx shifted left by one token")
