@@ -52,3 +52,15 @@ def test_read_text_files(tmp_path):
     assert read_text_files(tmp_path / "a.txt", max_bytes=3) == "alp"
     with pytest.raises(FileNotFoundError, match="data/README.md"):
         read_text_files(tmp_path / "missing.txt")
+
+
+def test_load_corpus(tmp_path):
+    from lmfs.data.corpora import load_corpus
+
+    assert load_corpus("stories", 4_000, seed=5) == generate_stories(4_000, seed=5)
+    assert len(load_corpus("pydoc", 1_000).encode()) <= 1_000
+    assert "def " in load_corpus("stdlib", 50_000)
+    (tmp_path / "my.txt").write_text("héllo wörld")
+    assert load_corpus(str(tmp_path / "my.txt"), 100) == "héllo wörld"
+    with pytest.raises(FileNotFoundError, match="stories"):
+        load_corpus("tinystories", 100)

@@ -82,12 +82,16 @@ _DIALOGUE = [
     '"Do not be {feel}," said {f}. "We will find a way."',
 ]
 _QUESTIONS = ["Where are you going?", "Can I play too?", "What is that?", "Will you be my friend?",
-              "Why are you {feel}?", "How many {o}s do you have?"]
+              "Why are you {feel}?", "How many {os} do you have?"]
 
 
 def _a(word: str) -> str:
     """The indefinite article that goes before ``word``."""
     return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _plural(noun: str) -> str:
+    return noun + ("es" if noun.endswith(("s", "x", "ch", "sh")) else "s")
 
 
 def _story(rng: random.Random) -> str:
@@ -96,6 +100,7 @@ def _story(rng: random.Random) -> str:
     n, f = rng.sample(_NAMES, 2)
     slots = dict(n=n, f=f, a=pick(_ANIMALS), adj=pick(_ADJ), c=pick(_COLORS), p=pick(_PLACES),
                  o=pick(_OBJECTS), feel=pick(_FEELINGS), w=pick(_WEATHER), k=rng.randint(2, 10))
+    slots["os"] = _plural(slots["o"])
     slots["q"] = pick(_QUESTIONS).format(**slots)
     time = pick(_TIMES).format(**slots)
     sents = [
@@ -225,3 +230,35 @@ def read_text_files(paths, max_bytes: int | None = None, encoding: str = "utf-8"
         if max_bytes is not None and total >= max_bytes:
             break
     return EOT.join(parts)
+
+
+CORPORA = ("stories", "pydoc", "stdlib")
+
+
+def load_corpus(name: str, n_bytes: int, seed: int = 0) -> str:
+    """About ``n_bytes`` of text from a named corpus or a file path (a lecture's ``CORPUS`` parameter).
+
+    ``"stories"``: the synthetic stories; ``"pydoc"``: CPython's documentation (all of it, about
+    0.5 MB, if ``n_bytes`` asks for more); ``"stdlib"``: standard-library source; anything else is
+    read as a path to a UTF-8 text file (see ``data/README.md``).
+    """
+    if name == "stories":
+        return generate_stories(n_bytes, seed)
+    if name == "pydoc":
+        return _cut(pydoc_text(), n_bytes)
+    if name == "stdlib":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return write_stdlib_source(Path(tmp) / "stdlib.txt", n_bytes).read_text(encoding="utf-8")
+    if not Path(name).expanduser().is_file():
+        raise FileNotFoundError(
+            f"CORPUS={name!r} is neither one of {', '.join(CORPORA)} nor an existing text file "
+            "(see data/README.md for TinyStories and OpenWebText)"
+        )
+    return read_text_files(name, max_bytes=n_bytes)
+
+
+def _cut(text: str, n_bytes: int) -> str:
+    """The longest prefix of ``text`` whose UTF-8 encoding fits in ``n_bytes`` (never splits a character)."""
+    return text.encode()[:n_bytes].decode("utf-8", errors="ignore")

@@ -1,0 +1,1 @@
+"""Benchmarks that compare lmfs implementations with reference libraries (run with ``python -m``)."""
