@@ -36,7 +36,7 @@ lab: venv
 # Unit tests and notebooks together; pytest exit code 5 (nothing collected) is a failure.
 test: venv
 	@LMFS_SCALE=$(TEST_SCALE) LMFS_DEVICE=$(DEVICE) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
-	  --nbval-lax --durations=0 -p no:cacheprovider tests lectures; \
+	  --nbval-lax --durations=15 -p no:cacheprovider tests lectures; \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 unit: venv
