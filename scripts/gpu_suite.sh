@@ -15,7 +15,7 @@ SITE=${SITE:-/tmp/lmfs-site}
 GPU_BENCHES=${GPU_BENCHES:-}
 LECTURE_TIMEOUT=${LECTURE_TIMEOUT:-600}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export PYTHONUNBUFFERED=1
 
 if ls .wheelhouse/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .wheelhouse/*.whl \
