@@ -1,0 +1,26 @@
+"""Training: token data and batches, the loop, and checkpoints.
+
+>>> from lmfs.train import TrainConfig, prepare_tokens, train          # doctest: +SKIP
+>>> data = prepare_tokens("stories", n_bytes=1_000_000, vocab_size=1_000)   # doctest: +SKIP
+>>> model = TransformerLM(TransformerConfig(vocab_size=data.vocab_size))   # doctest: +SKIP
+>>> history = train(model, data.train, TrainConfig(steps=200, batch_size=16, context_length=128),
+...                 val_data=data.val)                                   # doctest: +SKIP
+
+* :mod:`lmfs.train.data`: ``get_batch``, ``tokenize_to_memmap``, ``prepare_tokens``.
+* :mod:`lmfs.train.loop`: ``TrainConfig``, ``train``, ``History`` and the pieces of a step.
+* :mod:`lmfs.train.checkpoint`: ``save_checkpoint``, ``load_checkpoint`` (atomic, resumable).
+
+``python -m lmfs.train --help`` trains a small model from the command line.
+"""
+
+from lmfs.train.checkpoint import load_checkpoint, restore_rng_state, rng_state, save_checkpoint
+from lmfs.train.data import TokenData, get_batch, prepare_tokens, tokenize_to_memmap
+from lmfs.train.loop import (History, TrainConfig, accumulate_gradients, activation_checkpointing,
+                             estimate_loss, make_optimizer, resolve_autocast, train)
+
+__all__ = [
+    "History", "TokenData", "TrainConfig", "accumulate_gradients", "activation_checkpointing",
+    "estimate_loss", "get_batch", "load_checkpoint", "make_optimizer", "prepare_tokens",
+    "resolve_autocast", "restore_rng_state", "rng_state", "save_checkpoint", "tokenize_to_memmap",
+    "train",
+]

@@ -1,0 +1,353 @@
+import dataclasses
+import random
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+import lmfs.train.loop as loop
+from lmfs.nn import TransformerConfig, TransformerLM
+from lmfs.train import (TrainConfig, accumulate_gradients, activation_checkpointing, estimate_loss,
+                        get_batch, load_checkpoint, make_optimizer, prepare_tokens, restore_rng_state,
+                        rng_state, save_checkpoint, tokenize_to_memmap, train)
+from lmfs.train.__main__ import main as cli
+
+
+def tiny(**overrides) -> TransformerConfig:
+    base = dict(vocab_size=32, context_length=16, d_model=32, n_layers=2, n_heads=4)
+    return TransformerConfig(**{**base, **overrides})
+
+
+def model_of(config, seed=0) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(config)
+
+
+def random_tokens(n=4000, vocab=32, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.uint16)
+
+
+def grads(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_get_batch_shapes_shift_and_bounds(tmp_path):
+    data = np.arange(12, dtype=np.uint16)
+    data.tofile(tmp_path / "ids.bin")
+    for source in (data, np.memmap(tmp_path / "ids.bin", dtype=np.uint16, mode="r")):
+        x, y = get_batch(source, 500, 5, "cpu", generator=torch.Generator().manual_seed(0))
+        assert x.shape == y.shape == (500, 5) and x.dtype == y.dtype == torch.int64
+        assert torch.equal(y, x + 1)  # consecutive ids: the target is the next token
+        assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # each row is one contiguous window
+        # every start 0..6 is drawn, so the last window ends exactly at the last token
+        assert set(x[:, 0].tolist()) == set(range(12 - 5))
+        assert y.max().item() == 11
+    with pytest.raises(ValueError, match="context_length \\+ 1 = 13"):
+        get_batch(data, 2, 12, "cpu")
+    with pytest.raises(ValueError, match="1-D"):
+        get_batch(data.reshape(3, 4), 2, 2, "cpu")
+
+
+def test_get_batch_is_reproducible_with_a_generator():
+    data = random_tokens()
+    a = get_batch(data, 4, 8, "cpu", torch.Generator().manual_seed(3))
+    b = get_batch(data, 4, 8, "cpu", torch.Generator().manual_seed(3))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+class ByteTokenizer:
+    """Stands in for lmfs.tokenization.Tokenizer: one id per UTF-8 byte."""
+
+    def __init__(self, vocab_size=256):
+        self.vocab_size = vocab_size
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def encode_iterable(self, lines):
+        for line in lines:
+            yield from line.encode()
+
+
+def test_tokenize_to_memmap_text_and_file(tmp_path):
+    text = "hello world\nsecond line\n" * 50
+    (tmp_path / "in.txt").write_text(text)
+    from_text = tokenize_to_memmap(ByteTokenizer(), text, tmp_path / "a.bin")
+    from_file = tokenize_to_memmap(ByteTokenizer(), tmp_path / "in.txt", tmp_path / "b.bin")
+    assert from_text.dtype == np.uint16 and isinstance(from_file, np.memmap)
+    np.testing.assert_array_equal(from_text, list(text.encode()))
+    np.testing.assert_array_equal(from_file, from_text)
+    assert not list(tmp_path.glob("*.tmp*"))
+    big = tokenize_to_memmap(ByteTokenizer(70_000), "abc", tmp_path / "c.bin")
+    assert big.dtype == np.uint32  # ids above 65,535 do not fit in uint16
+    with pytest.raises(ValueError, match="no tokens"):
+        tokenize_to_memmap(ByteTokenizer(), "", tmp_path / "d.bin")
+
+
+def test_prepare_tokens_trains_encodes_and_caches(tmp_path, monkeypatch):
+    data = prepare_tokens("stories", n_bytes=40_000, vocab_size=300, workdir=tmp_path)
+    assert data.vocab_size == data.tokenizer.vocab_size <= 300
+    assert len(data.train) > 5 * len(data.val) > 0
+    assert data.train.max() < data.vocab_size
+    assert data.tokenizer.decode(data.val[:200].tolist()).strip()  # real text comes back
+
+    import lmfs.tokenization
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the cached tokens should have been reused")
+
+    monkeypatch.setattr(lmfs.tokenization, "train_bpe", no_training)
+    again = prepare_tokens("stories", n_bytes=40_000, vocab_size=300, workdir=tmp_path)
+    np.testing.assert_array_equal(again.train, data.train)
+    np.testing.assert_array_equal(again.val, data.val)
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1  # no staging folder left behind
+    with pytest.raises(ValueError, match="val_fraction"):
+        prepare_tokens("stories", n_bytes=40_000, vocab_size=300, workdir=tmp_path, val_fraction=0)
+
+
+# ---------------------------------------------------------------- config and schedule
+
+
+def test_train_config_validation_and_schedules():
+    with pytest.raises(ValueError, match="divisible by grad_accum") as err:
+        TrainConfig(steps=0, batch_size=6, context_length=8, grad_accum=4, schedule="linear")
+    assert "steps=0" in str(err.value) and "schedule='linear'" in str(err.value)
+
+    cfg = TrainConfig(steps=100, batch_size=4, context_length=8, lr=1e-3, warmup_steps=10)
+    assert cfg.final_lr == pytest.approx(1e-4)
+    assert cfg.lr_at(0) == pytest.approx(1e-4)  # the first update already moves: lr / warmup
+    assert cfg.lr_at(9) == pytest.approx(1e-3)
+    assert cfg.lr_at(99) == pytest.approx(1e-4)  # the last update lands on final_lr
+    wsd = dataclasses.replace(cfg, schedule="wsd", decay_fraction=0.2, min_lr=0.0)
+    assert wsd.lr_at(50) == pytest.approx(1e-3) and wsd.lr_at(79) == pytest.approx(1e-3)
+    assert wsd.lr_at(89) == pytest.approx(5e-4) and wsd.lr_at(99) == 0.0
+    const = dataclasses.replace(cfg, schedule="constant")
+    assert const.lr_at(4) == pytest.approx(5e-4) and const.lr_at(99) == pytest.approx(1e-3)
+
+
+def test_make_optimizer_decays_matrices_only():
+    model = model_of(tiny(bias=True, norm="layer"))
+    opt = make_optimizer(model, TrainConfig(steps=1, batch_size=1, context_length=8, weight_decay=0.1))
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+# ---------------------------------------------------------------- the step's pieces
+
+
+def test_gradient_accumulation_equals_the_full_batch():
+    model = model_of(tiny())
+    x, y = get_batch(random_tokens(), 8, 16, "cpu", torch.Generator().manual_seed(0))
+    full_loss = accumulate_gradients(model, [(x, y)])
+    full = grads(model)
+    model.zero_grad(set_to_none=True)
+    half_loss = accumulate_gradients(model, zip(x.chunk(2), y.chunk(2)))
+    torch.testing.assert_close(half_loss, full_loss, atol=1e-6, rtol=0)
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, full[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = model_of(tiny())
+    x, y = get_batch(random_tokens(), 4, 16, "cpu", torch.Generator().manual_seed(0))
+    accumulate_gradients(model, [(x, y)])
+    plain = grads(model)
+    model.zero_grad(set_to_none=True)
+    with activation_checkpointing(model):
+        assert all("forward" in vars(block) for block in model.blocks)
+        accumulate_gradients(model, [(x, y)])
+        with pytest.raises(RuntimeError, match="already checkpointed"):
+            with activation_checkpointing(model):
+                pass
+    assert not any("forward" in vars(block) for block in model.blocks)  # restored
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, plain[name], atol=1e-6, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="model.blocks"):
+        with activation_checkpointing(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_estimate_loss_is_repeatable_and_restores_mode():
+    model = model_of(tiny())
+    data = random_tokens()
+    a = estimate_loss(model, data, 3, 4, 16, "cpu")
+    assert model.training
+    assert a == estimate_loss(model, data, 3, 4, 16, "cpu")
+    assert a != estimate_loss(model, data, 3, 4, 16, "cpu", seed=1)
+    assert abs(a - np.log(32)) < 0.5  # an untrained model is near uniform over the vocabulary
+
+
+# ---------------------------------------------------------------- train
+
+
+def test_loss_decreases_on_a_repeated_pattern():
+    data = np.tile(np.arange(12, dtype=np.uint16), 300)
+    model = model_of(tiny(vocab_size=12, n_layers=1))
+    history = train(model, data, TrainConfig(steps=30, batch_size=8, context_length=16, lr=1e-2,
+                                             warmup_steps=3), val_data=data, progress=False)
+    assert history.step == list(range(1, 31)) and history.tokens[-1] == 30 * 8 * 16
+    assert history.loss[-1] < 0.3 * history.loss[0]
+    assert history.val_step == [30] and history.val_loss[0] < 0.3 * history.loss[0]
+
+
+def test_training_is_deterministic_and_history_renders():
+    data = random_tokens()
+    cfg = TrainConfig(steps=4, batch_size=4, context_length=16, eval_every=2, eval_batches=2)
+    a = train(model_of(tiny()), data, cfg, val_data=data, progress=False)
+    b = train(model_of(tiny()), data, cfg, val_data=data, progress=False)
+    assert a.loss == b.loss and a.val_loss == b.val_loss and a.val_step == [2, 4]
+    frame = a.to_frame()
+    assert list(frame.columns) == ["step", "loss", "lr", "tokens", "seconds", "val_loss"]
+    assert frame["val_loss"].notna().tolist() == [False, True, False, True]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    assert a.plot().get_ylabel() == "loss"
+
+
+def test_nan_loss_names_the_step_and_the_fix():
+    model = model_of(tiny())
+    with torch.no_grad():
+        model.tok_emb.weight[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="step 1 .*Lower the learning rate"):
+        train(model, np.zeros(100, dtype=np.uint16), TrainConfig(steps=3, batch_size=2, context_length=8),
+              progress=False)
+
+
+class Preempted(Exception):
+    pass
+
+
+def test_resume_continues_exactly(tmp_path, monkeypatch):
+    data = random_tokens()
+    kwargs = dict(steps=10, batch_size=4, context_length=16, lr=3e-3, warmup_steps=2, eval_every=5,
+                  eval_batches=2)
+    straight_model = model_of(tiny())
+    straight = train(straight_model, data, TrainConfig(**kwargs), val_data=data, progress=False)
+
+    path = tmp_path / "run.pt"
+    cfg = TrainConfig(**kwargs, checkpoint_path=str(path), checkpoint_every=5)
+
+    def save_then_die(*args, **kwargs):  # the process is killed right after its first checkpoint
+        save_checkpoint(*args, **kwargs)
+        raise Preempted
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_die)
+    with pytest.raises(Preempted):
+        train(model_of(tiny()), data, cfg, val_data=data, progress=False)
+    monkeypatch.undo()
+    assert load_checkpoint(path, model_of(tiny()))["step"] == 5
+
+    torch.manual_seed(123)  # a "new process": other weights and RNG state, new objects
+    random.seed(123)
+    resumed_model = model_of(tiny(), seed=7)
+    resumed = train(resumed_model, data, cfg, val_data=data, progress=False, resume=True)
+    assert resumed.step == straight.step
+    assert resumed.loss == straight.loss and resumed.lr == straight.lr
+    assert resumed.val_step == straight.val_step == [5, 10] and resumed.val_loss == straight.val_loss
+    for (name, p), q in zip(resumed_model.named_parameters(), straight_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_resume_needs_a_path():
+    with pytest.raises(ValueError, match="checkpoint_path"):
+        train(model_of(tiny()), random_tokens(), TrainConfig(steps=1, batch_size=1, context_length=8),
+              progress=False, resume=True)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_roundtrip_and_rng_state(tmp_path):
+    model = model_of(tiny())
+    opt = make_optimizer(model, TrainConfig(steps=1, batch_size=1, context_length=8))
+    accumulate_gradients(model, [get_batch(random_tokens(), 2, 8, "cpu")])
+    opt.step()
+    cfg = TrainConfig(steps=3, batch_size=2, context_length=8)
+    save_checkpoint(tmp_path / "a.pt", model, opt, 3, cfg, extra={"note": [1, 2]})
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    other = model_of(tiny(), seed=1)
+    other_opt = make_optimizer(other, cfg)
+    ckpt = load_checkpoint(tmp_path / "a.pt", other, other_opt)
+    assert ckpt["step"] == 3 and ckpt["extra"] == {"note": [1, 2]}
+    assert ckpt["train_config"] == dataclasses.asdict(cfg)
+    assert ckpt["model_config"] == dataclasses.asdict(model.config)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+    state, other_state = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert all(torch.equal(state[i]["m"], other_state[i]["m"]) for i in state)
+    restore_rng_state(ckpt["rng"])  # the generators continue from the save
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+
+
+def test_rng_state_survives_weights_only_load(tmp_path):
+    state = rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    model = model_of(tiny())
+    save_checkpoint(path, model, None, 1, None)
+
+    def disk_full(obj, f):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(path, model, None, 2, None)
+    monkeypatch.undo()
+    assert load_checkpoint(path, model)["step"] == 1
+    assert not (tmp_path / "ckpt.pt.tmp").exists()
+
+
+def test_corrupt_and_missing_checkpoints_raise_clearly(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    model = model_of(tiny())
+    save_checkpoint(path, model, None, 1, None)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match="truncated or corrupt"):
+        load_checkpoint(path, model)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt", model)
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(RuntimeError, match="not an lmfs checkpoint"):
+        load_checkpoint(tmp_path / "other.pt", model)
+
+
+def test_config_mismatch_names_every_differing_field(tmp_path):
+    save_checkpoint(tmp_path / "ckpt.pt", model_of(tiny()), None, 1, None)
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(tmp_path / "ckpt.pt", model_of(tiny(n_layers=1, n_heads=2)))
+    message = str(err.value)
+    assert "n_layers: checkpoint 2 vs model 1" in message and "n_heads: checkpoint 4 vs model 2" in message
+    assert "d_model" not in message
+    with pytest.raises(ValueError, match="without optimizer state"):
+        model = model_of(tiny())
+        load_checkpoint(tmp_path / "ckpt.pt", model, make_optimizer(model, TrainConfig(1, 1, 8)))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_command_line_trains_saves_and_resumes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the token cache goes under tmp_path
+    args = ["--mb", "0.04", "--vocab-size", "300", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--steps", "6", "--batch-size", "4", "--context", "32", "--device", "cpu",
+            "--out", str(tmp_path / "cli.pt")]
+    cli(args)
+    out = capsys.readouterr().out
+    assert "val loss" in out and "sample:" in out and (tmp_path / "cli.pt").exists()
+    cli(args + ["--resume"])
+    assert "resumed from" in capsys.readouterr().out
