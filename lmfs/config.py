@@ -29,18 +29,56 @@ CONFIGS: dict[str, dict[str, dict]] = {
             corpus_bytes=5_000_000,    # pydoc (the default CORPUS) holds about 0.47 MB in all
             vocab_size=10_000,
             sweep_vocab=32_000,
-            sweep_bytes=20_000_000,
+            sweep_bytes=10_000_000,    # the stdlib of a slim Python 3.12 install is ~10.7 MB
             heldout_bytes=500_000,
-            bench_bytes=30_000_000,
+            bench_bytes=10_000_000,    # `make bench-tokenizer` runs the 30 MB benchmark
             bench_vocab=10_000,
-            stream_lines=400_000,
+            stream_lines=100_000,
+        ),
+    },
+    "02": {
+        "smoke": dict(
+            warmup=2, reps=5,              # timing: untimed calls first, then the median of `reps`
+            matmul_sizes=(64, 128, 256, 512, 1024),  # square matmuls for FLOP/s and the roofline
+            elementwise_numel=2**22,       # elements per operand of the memory-bound ops
+            # The model whose FLOPs, memory and speed we measure (the chart always uses GPT-2 small).
+            model=dict(vocab_size=512, context_length=64, d_model=64, n_layers=2, n_heads=4,
+                       tie_embeddings=False),
+            batch_size=8,                  # sequences per step of that model
+            step_reps=3,                   # timed training steps per measurement
+            # A small model for the exactness checks (gradients, optimizers): the same at every scale.
+            check_model=dict(vocab_size=512, context_length=64, d_model=64, n_layers=2, n_heads=4),
+            accum_splits=(1, 2, 4, 8),     # micro-batches per step in the accumulation sweep
+            init_depth=24, init_width=256,  # the deep linear stack of the initialisation demo
+            # The short training run (and the optimizer comparison) on generated stories.
+            corpus_bytes=300_000, vocab_size=512,
+            train_model=dict(context_length=64, d_model=64, n_layers=2, n_heads=4),
+            train_batch=16, train_steps=60, lr=3e-3, warmup_steps=6, eval_every=20, eval_batches=4,
+            opt_steps=25,                  # per optimizer in the comparison
+        ),
+        "full": dict(
+            warmup=5, reps=20,
+            matmul_sizes=(128, 256, 512, 1024, 2048, 4096, 8192),
+            elementwise_numel=2**27,
+            # GPT-2 small's shape in lmfs's Llama-style defaults: 134M parameters untied.
+            model=dict(vocab_size=32_000, context_length=1024, d_model=768, n_layers=12, n_heads=12,
+                       tie_embeddings=False),
+            batch_size=8,
+            step_reps=10,
+            check_model=dict(vocab_size=512, context_length=64, d_model=64, n_layers=2, n_heads=4),
+            accum_splits=(1, 2, 4, 8),
+            init_depth=48, init_width=1024,
+            corpus_bytes=5_000_000, vocab_size=1_024,
+            train_model=dict(context_length=256, d_model=256, n_layers=4, n_heads=8),
+            train_batch=64, train_steps=300, lr=2e-3, warmup_steps=30, eval_every=50, eval_batches=8,
+            opt_steps=100,
         ),
     },
     "03": {
         "smoke": dict(
-            corpus_bytes=1_000_000,    # stories tokenized for the ablations
+            corpus_bytes=1_000_000,    # text tokenized for the ablations (CORPUS, default "stdlib")
             vocab_size=512,
-            d_model=64,                # the base (LLaMA-like) model every ablation changes one field of
+            d_model=64,                # the base (LLaMA-like) model; each ablation changes one field
             n_layers=2,
             n_heads=4,
             context_length=64,
@@ -54,18 +92,18 @@ CONFIGS: dict[str, dict[str, dict]] = {
             norm_bench_shape=(4096, 1024),  # rows x dim of the LayerNorm/RMSNorm timing
         ),
         "full": dict(
-            corpus_bytes=20_000_000,
-            vocab_size=1_024,
+            corpus_bytes=9_000_000,    # below the ~10.7 MB stdlib of a slim Python 3.12: no repeats
+            vocab_size=2_048,
             d_model=384,
             n_layers=6,
             n_heads=6,
             context_length=256,
-            batch_size=64,
-            steps=500,
+            batch_size=32,
+            steps=250,                 # 2 M tokens per run, under one epoch
             lr=1e-3,
-            high_lr=6e-3,
-            warmup_steps=25,
-            eval_every=50,
+            high_lr=3e-3,
+            warmup_steps=20,
+            eval_every=25,
             eval_batches=8,
             norm_bench_shape=(65_536, 4096),
         ),
