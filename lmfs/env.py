@@ -94,12 +94,18 @@ def seed_everything(seed: int = 0) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def _version(module: str) -> str:
+def _version(package: str) -> str:
+    """An installed package's version, read from its metadata without importing it.
+
+    Importing Triton here would freeze it in compiled mode before ``lmfs.kernels`` can switch it
+    to its interpreter on a machine without a GPU.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        mod = __import__(module)
-    except Exception:  # not installed, or fails to import on this platform
+        return version(package)
+    except PackageNotFoundError:
         return "not installed"
-    return getattr(mod, "__version__", "?")
 
 
 def device_name(device: torch.device) -> str:

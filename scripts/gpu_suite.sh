@@ -54,7 +54,7 @@ tar -czf "$OUT/notebooks.tar.gz" -C build gpu-lectures 2>/dev/null
 for bench in $GPU_BENCHES; do
   echo "== benchmark $bench =="
   { echo; echo "## Benchmark: $bench"; echo; echo '```'; } >> "$report"
-  python3 -m "lmfs.bench.$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$report" || failed+=("bench $bench")
+  python3 -m lmfs.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$report" || failed+=("bench $bench")
   echo '```' >> "$report"
 done
 

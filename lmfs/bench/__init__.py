@@ -1,1 +1,13 @@
-"""Benchmarks that compare lmfs implementations with reference libraries (run with ``python -m``)."""
+"""Benchmarks that compare lmfs implementations with reference libraries, and the tools they use.
+
+Run one with ``python -m lmfs.bench NAME`` (see :mod:`lmfs.bench.__main__`):
+
+* ``tokenizer``: BPE training and encoding against Hugging Face ``tokenizers`` and ``tiktoken``
+* ``train``: training throughput, MFU and memory against Hugging Face Llama
+* ``probes``: the device's measured copy bandwidth and matmul rate (:mod:`lmfs.bench.probes`)
+* ``kernels``, ``attention``: the Triton kernels of :mod:`lmfs.kernels` against PyTorch
+
+Tools: :mod:`lmfs.bench.timing` (warm-up, device events, medians; a profiler table) and
+:mod:`lmfs.bench.roofline` (the roofline and the tile/wave-quantisation model). Nothing is
+imported here: each benchmark loads only what it needs (Triton only for the kernel benchmarks).
+"""

@@ -1,0 +1,28 @@
+"""GPU kernels written in Triton (and one in CUDA C++), each checked against PyTorch.
+
+=========================  ==========================================================
+:func:`gelu`               GeLU (tanh approximation), fused forward and backward
+:func:`gelu_torch`         the same formula in plain PyTorch operations (many kernels)
+:func:`gelu_cuda`          GeLU as a CUDA C++ kernel built with ``load_inline`` (GPU only)
+:func:`softmax`            row softmax, one row per program, forward and backward
+:func:`rms_norm`           fused RMSNorm forward and backward (dx and dweight)
+:func:`flash_attention`    FlashAttention-2: forward with saved log-sum-exp, backward by
+                           recomputation, causal block skipping, autotuned on a GPU
+:func:`flash_attention_torch`  the same algorithm in readable PyTorch loops
+:func:`online_softmax`     softmax one block of columns at a time (FlashAttention's trick)
+=========================  ==========================================================
+
+Without a CUDA GPU, importing this package switches Triton to its interpreter (``INTERPRET`` is
+then true): the same kernels run on the CPU, slowly, which is enough to check them at small
+sizes. Benchmarks: ``python -m lmfs.bench kernels`` and ``python -m lmfs.bench attention``.
+"""
+
+from lmfs.kernels._triton import INTERPRET
+from lmfs.kernels.flash_attention import (HEAD_DIMS, flash_attention, flash_attention_forward,
+                                          flash_attention_torch, online_softmax)
+from lmfs.kernels.gelu import cuda_toolchain_problem, gelu, gelu_cuda, gelu_torch
+from lmfs.kernels.rmsnorm import rms_norm
+from lmfs.kernels.softmax import softmax
+
+__all__ = ["INTERPRET", "HEAD_DIMS", "cuda_toolchain_problem", "flash_attention", "flash_attention_forward",
+           "flash_attention_torch", "gelu", "gelu_cuda", "gelu_torch", "online_softmax", "rms_norm", "softmax"]

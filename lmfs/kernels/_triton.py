@@ -1,0 +1,98 @@
+"""The one place that imports Triton, and decides whether its kernels run compiled or interpreted.
+
+Triton compiles kernels for a GPU. Without one, its *interpreter* runs the very same kernel
+source with NumPy, one program at a time: slow, but every line executes, so a CPU machine can
+check the kernels against PyTorch at small sizes. The switch is the environment variable
+``TRITON_INTERPRET=1``, and Triton reads it when a kernel is *defined* (``@triton.jit``), so it
+must be set before any kernel module is imported. Every kernel module imports ``triton`` from
+here, which guarantees that order.
+
+``INTERPRET`` is true without a CUDA GPU, or when the user set ``TRITON_INTERPRET=1`` already.
+
+Two traps. The interpreter does bfloat16 arithmetic wrongly (NumPy has no bfloat16), so our
+kernels convert what they load to float32 before computing. On a GPU that upcast is what one
+wants anyway for elementwise maths and reductions; matmul operands (``tl.dot``) stay in 16 bits
+on a GPU, because the tensor cores take 16-bit inputs and accumulate in float32. And the
+interpreter rounds float32 to bfloat16 by truncation, so its bf16 results can be one unit in the
+last place further off than a GPU's (which rounds to nearest); tests allow for that.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # e.g. macOS or Windows, where no triton wheel exists
+    raise ImportError(
+        "lmfs.kernels needs the 'triton' package (pip install triton; wheels exist for Linux). "
+        "The PyTorch references in lmfs.nn work without it."
+    ) from err
+
+if INTERPRET and type(tl.sum).__name__ != "InterpretedFunction":
+    # Triton was imported before the switch was set (by torch.compile, or by printing its version):
+    # its own library (tl.sum, tl.max, ...) was then built for compiling and the interpreter cannot
+    # call it. Reloading Triton inside a running process is not safe, so say how to avoid it.
+    raise ImportError(
+        "lmfs.kernels: no CUDA GPU here, so Triton must run in its interpreter, but triton was already "
+        "imported without TRITON_INTERPRET=1. Restart Python (or the notebook kernel) and import "
+        "lmfs.kernels before anything that imports triton, or set TRITON_INTERPRET=1 in the "
+        "environment before starting Python."
+    )
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensors(fn: str, **tensors: torch.Tensor) -> torch.device:
+    """Check that the named tensors can go to one of our kernels; return their device.
+
+    They must share one device (a CUDA GPU, or the CPU when Triton interprets) and one dtype out
+    of float32, float16 and bfloat16. Errors name the function, the offending tensor and the fix.
+    """
+    names = list(tensors)
+    first = tensors[names[0]]
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != first.device:
+            raise ValueError(f"{fn}: {names[0]} is on {first.device} but {name} is on {t.device}; "
+                             f"move all inputs to one device, e.g. {name}.to({names[0]}.device)")
+        if t.dtype != first.dtype:
+            raise TypeError(f"{fn}: {names[0]} is {first.dtype} but {name} is {t.dtype}; "
+                            f"cast them to one dtype, e.g. {name}.to({names[0]}.dtype)")
+    if first.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{fn}: dtype {first.dtype} is not supported; use float32, float16 or bfloat16 "
+                        f"(e.g. {names[0]}.float())")
+    if not (first.device.type == "cuda" or (INTERPRET and first.device.type == "cpu")):
+        where = "the CPU (through Triton's interpreter)" if INTERPRET else "a CUDA GPU"
+        fix = f"{names[0]}.cpu()" if INTERPRET else f"{names[0]}.cuda()"
+        raise ValueError(f"{fn}: inputs are on {first.device}, but these kernels run on {where}; "
+                         f"move them there, e.g. {fix}")
+    return first.device
+
+
+def row_block(fn: str, n: int, limit: int = 32768) -> int:
+    """Block size for kernels that keep one whole row in registers: the next power of two of ``n``.
+
+    Above ``limit`` elements a row no longer fits one program's registers and a multi-pass kernel
+    would be needed; we raise instead of silently spilling to slow local memory.
+    """
+    if n > limit:
+        raise ValueError(f"{fn}: rows of {n} elements are longer than this one-row-per-program kernel "
+                         f"handles ({limit}); use the PyTorch version for such rows")
+    return triton.next_power_of_2(n)
+
+
+def row_warps(block: int) -> int:
+    """Warps per program for a row of ``block`` elements: more threads share a longer row."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+__all__ = ["INTERPRET", "triton", "tl", "check_tensors", "row_block", "row_warps", "FLOAT_DTYPES"]

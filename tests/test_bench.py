@@ -1,0 +1,186 @@
+"""lmfs.bench: timing, probes, the roofline and wave-quantisation models, the command line."""
+
+import math
+import time
+
+import matplotlib
+import pytest
+import torch
+
+from lmfs.bench.__main__ import BENCHMARKS
+from lmfs.bench.__main__ import main as bench_main
+from lmfs.bench.probes import copy_bandwidth, matmul_rate, strided_copy_bandwidth
+from lmfs.bench.roofline import (HBM_BANDWIDTH, SM_COUNT, arithmetic_intensity, attainable_flops, datasheet,
+                                 matmul_intensity, plot_roofline, predicted_matmul_rate, ridge_point, tile_waves)
+from lmfs.bench.timing import Timing, benchmark, profile_table
+
+matplotlib.use("Agg")
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+def test_timing_statistics():
+    t = Timing((0.001, 0.002, 0.003, 0.004, 0.010), "perf_counter")
+    assert t.median == 0.003
+    assert t.iqr > 0 and t.spread == pytest.approx(t.iqr / 0.003)
+    assert t.rate(6e9) == pytest.approx(2e12)
+    assert "ms" in str(t) and "n=5" in str(t)
+    assert Timing((0.5,), "perf_counter").iqr == 0.0
+
+
+def test_benchmark_warms_up_then_times_each_repeat_on_cpu():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    t = benchmark(fn, warmup=2, repeats=5, device="cpu")
+    assert len(calls) == 7 and len(t.times) == 5 and t.method == "perf_counter"
+    assert 0.002 <= t.median < 0.5  # slept 2 ms; a loaded machine may add some
+
+
+def test_benchmark_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="repeats"):
+        benchmark(lambda: None, repeats=0, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            benchmark(lambda: None, device="cuda")
+
+
+def test_profile_table_lists_what_ran():
+    x = torch.randn(64, 64, device="cuda" if torch.cuda.is_available() else "cpu")
+    table = profile_table(lambda: torch.tanh(x @ x) + 1, warmup=1, repeats=2)
+    assert list(table.columns) == ["name", "calls", "total_us", "mean_us", "share"]
+    assert len(table) > 0 and (table["total_us"] >= 0).all()
+    assert table["share"].sum() <= 1 + 1e-9
+    if not torch.cuda.is_available():
+        assert any("aten::" in name for name in table["name"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Probes (tiny on the CPU: they exercise the code, the numbers mean little)
+
+
+def test_probes_on_cpu_return_positive_rates():
+    assert copy_bandwidth(n_bytes=2**20, device="cpu", repeats=3) > 0
+    assert strided_copy_bandwidth(4, n_elements=2**12, device="cpu", repeats=3) > 0
+    assert matmul_rate(64, "fp32", device="cpu", repeats=3) > 0
+    with pytest.raises(ValueError, match="unknown dtype"):
+        matmul_rate(64, "fp64", device="cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Roofline and tile/wave quantisation
+
+
+def test_wave_quantisation_hand_computed_cases():
+    # 1792 = 7·256 = 14·128: 98 tiles, one wave on 108 SMs, no padding.
+    tw = tile_waves(1792, 1792, tile=(256, 128), n_sm=108)
+    assert (tw.tiles, tw.waves) == (98, 1)
+    assert tw.wave_efficiency == pytest.approx(98 / 108)
+    assert tw.tile_efficiency == 1.0
+    # One more row and column: 8·15 = 120 tiles, two waves, 120 of 216 SM-slots busy.
+    tw = tile_waves(1793, 1793, tile=(256, 128), n_sm=108)
+    assert (tw.tiles, tw.waves) == (120, 2)
+    assert tw.wave_efficiency == pytest.approx(120 / 216)
+    assert tw.tile_efficiency == pytest.approx(1793 * 1793 / (2048 * 1920))
+    assert tw.efficiency == pytest.approx(tw.wave_efficiency * tw.tile_efficiency)
+    # Exactly one full wave, then one tile too many.
+    assert tile_waves(108 * 128, 256, (256, 128), 108).efficiency == 1.0
+    assert tile_waves(108 * 128 + 1, 256, (256, 128), 108).waves == 2
+    with pytest.raises(ValueError, match="positive"):
+        tile_waves(100, 100, (0, 128), 108)
+
+
+def test_predicted_matmul_rate_dips_past_a_tile_boundary():
+    peak = 312e12
+    rates = predicted_matmul_rate([1792, 1793], peak, tile=(256, 128), n_sm=108)
+    assert rates[0] == pytest.approx(peak * 98 / 108)
+    assert rates[1] == pytest.approx(peak * 120 / 216 * 1793**2 / (2048 * 1920))  # about half
+
+    # With a bandwidth, small matmuls sit on the memory roof: intensity n/3 FLOP/B in bf16.
+    small = predicted_matmul_rate([48], peak, tile=(16, 16), n_sm=9, bandwidth=2e12)
+    assert small[0] == pytest.approx(16 * 2e12)
+
+
+def test_roofline_numbers():
+    assert arithmetic_intensity(2e9, 1e9) == 2.0
+    assert ridge_point(1000e12, 4e12) == 250.0
+    assert float(attainable_flops(10.0, 1000e12, 4e12)) == 40e12  # memory-bound
+    assert float(attainable_flops(1000.0, 1000e12, 4e12)) == 1000e12  # compute-bound
+    assert list(attainable_flops([1.0, 1e4], 100.0, 1.0)) == [1.0, 100.0]
+    assert matmul_intensity(3000, 3000, 3000, bytes_per_element=2) == pytest.approx(1000.0)
+    assert datasheet(HBM_BANDWIDTH, "NVIDIA H200") == 4.8e12 and datasheet(SM_COUNT, "NVIDIA A100-SXM4-80GB") == 108
+    assert datasheet(SM_COUNT, "cpu") is None
+
+
+def test_plot_roofline_draws_the_roof_and_points():
+    import matplotlib.pyplot as plt
+
+    ax = plot_roofline(990e12, 3.35e12, points=[("gelu", 0.5, 1.5e12), ("matmul", 2000.0, 700e12)])
+    assert len(ax.lines) == 4  # roof, ridge line, two points
+    assert "FLOPs / byte" in ax.get_xlabel()
+    plt.close(ax.figure)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and the kernel benchmarks' CPU smoke versions
+
+
+def test_bench_command_lists_and_rejects(capsys):
+    assert bench_main([]) == 0
+    assert "attention" in capsys.readouterr().out
+    assert bench_main(["nonsense"]) == 2
+    assert set(BENCHMARKS) == {"tokenizer", "train", "probes", "kernels", "attention"}
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["probes", "--help"])
+    assert exit_info.value.code == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU versions are benchmarks, not tests")
+def test_kernel_benchmarks_smoke_on_cpu(capsys):
+    from lmfs.kernels.bench import run_attention, run_kernels
+
+    kernels = run_kernels()
+    assert set(kernels["ops"]) == {"GeLU (tanh)", "softmax", "RMSNorm"}
+    assert all(r["max_abs_diff"] < 1e-5 for table in kernels["ops"].values() for r in table.values())
+    attention = run_attention(seq_lens=[40], head_dims=[16], tokens=40, heads=1)
+    row = attention["rows"][0]
+    assert row["max_abs_diff"] < 1e-5 and row["lmfs_fwd"] > 0 and row["naive_fwdbwd"] > 0
+    assert "real numbers need a CUDA GPU" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+def test_cuda_event_timing_and_kernel_table():
+    from lmfs.kernels import gelu, gelu_torch
+
+    x = torch.randn(4096, 4096, device="cuda")
+    t = benchmark(lambda: x @ x, warmup=2, repeats=5)
+    assert t.method == "cuda events" and 0 < t.median < 1
+    eager = profile_table(lambda: gelu_torch(x))
+    fused = profile_table(lambda: gelu(x))
+    assert eager.attrs["where"] == "GPU kernels"
+    assert len(eager) >= 3  # eager PyTorch: one kernel per operation
+    assert len(fused) < len(eager) and any("gelu" in name for name in fused["name"])  # one fused kernel
+
+
+@pytest.mark.gpu
+def test_measured_rates_are_below_the_datasheet():
+    from lmfs.accounting import PEAK_FLOPS
+
+    name = torch.cuda.get_device_name()
+    bandwidth, peaks = datasheet(HBM_BANDWIDTH, name), datasheet(PEAK_FLOPS, name)
+    if bandwidth is None or peaks is None:
+        pytest.skip(f"no datasheet figures for {name}")
+    copy = copy_bandwidth()
+    assert 0.3 * bandwidth < copy < bandwidth
+    rate = matmul_rate(4096, "bf16")
+    assert 0.2 * peaks["bf16"] < rate < peaks["bf16"]
+    assert strided_copy_bandwidth(16) < 0.5 * strided_copy_bandwidth(1)  # uncoalesced reads waste sectors
+    assert math.isfinite(rate)

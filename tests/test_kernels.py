@@ -1,0 +1,329 @@
+"""lmfs.kernels against PyTorch: every kernel, forward and backward.
+
+Without a GPU the Triton kernels run in Triton's interpreter, so sizes stay small (and include
+lengths that are not multiples of the block sizes, to exercise the masks). Tests marked ``gpu``
+use larger sizes, 16-bit dtypes and the autotuned paths.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmfs.kernels import (HEAD_DIMS, INTERPRET, cuda_toolchain_problem, flash_attention, flash_attention_forward,
+                          flash_attention_torch, gelu, gelu_cuda, gelu_torch, online_softmax, rms_norm, softmax)
+from lmfs.nn.attention import attention_reference, causal_mask
+from lmfs.nn.layers import RMSNorm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+
+
+def forward_backward(fn, *inputs, grad_out=None, seed=1):
+    """``fn(*inputs)`` and the gradients of ``<fn(*inputs), grad_out>`` for every input."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    if grad_out is None:
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    return out, grads, grad_out
+
+
+def randn(*shape, dtype=torch.float32, device=DEVICE, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+def assert_all_close(ours, expected, atol=1e-5, rtol=1e-4):
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+# ----------------------------------------------------------------------------------------------
+# GeLU, softmax, RMSNorm (float32; interpreter-sized)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (3, 37, 21)])  # not multiples of the 1024 block
+def test_gelu_forward_backward(shape):
+    x = randn(*shape) * 3
+    ref = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731
+    out, grads, dy = forward_backward(gelu, x)
+    ref_out, ref_grads, _ = forward_backward(ref, x, grad_out=dy)
+    assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+
+def test_gelu_torch_is_the_tanh_gelu():
+    x = randn(500) * 4
+    torch.testing.assert_close(gelu_torch(x), F.gelu(x, approximate="tanh"), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's NumPy, harmlessly
+def test_gelu_saturates_without_nan():
+    x = torch.tensor([-1e4, -50.0, 0.0, 50.0, 1e4], device=DEVICE)
+    torch.testing.assert_close(gelu(x), F.gelu(x, approximate="tanh"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
+def test_gelu_cuda_without_gpu_says_why():
+    assert "CUDA GPU" in cuda_toolchain_problem()
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        gelu_cuda(torch.randn(4))
+
+
+@pytest.mark.parametrize("shape", [(5, 7, 100), (3, 1), (2, 129)])
+def test_softmax_forward_backward(shape):
+    x = randn(*shape) * 5
+    out, grads, dy = forward_backward(softmax, x)
+    ref_out, ref_grads, _ = forward_backward(lambda t: torch.softmax(t, dim=-1), x, grad_out=dy)
+    assert_all_close([out, *grads], [ref_out, *ref_grads], atol=1e-6)
+
+
+def test_softmax_large_logits_are_stable():
+    x = torch.tensor([[1000.0, 999.0, -1000.0], [-500.0, -501.0, -502.0]], device=DEVICE)
+    torch.testing.assert_close(softmax(x), torch.softmax(x, dim=-1))
+
+
+def test_softmax_rejects_rows_too_long_for_one_program():
+    with pytest.raises(ValueError, match="rows of 40000 elements"):
+        softmax(torch.zeros(1, 40000, device=DEVICE))
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 96), (3, 1, 50)])  # 30 rows over 4 programs; 3 rows
+def test_rms_norm_forward_backward(shape):
+    x, w = randn(*shape), 1 + 0.1 * randn(shape[-1], seed=1)
+    out, grads, dy = forward_backward(lambda a, b: rms_norm(a, b, 1e-5), x, w)
+    ref = lambda a, b: F.rms_norm(a, (shape[-1],), b, eps=1e-5)  # noqa: E731
+    ref_out, ref_grads, _ = forward_backward(ref, x, w, grad_out=dy)
+    assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+
+def test_rms_norm_matches_lmfs_module():
+    norm = RMSNorm(64).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * randn(64, seed=2))
+    x = randn(4, 9, 64)
+    torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), norm(x), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_rejects_mismatched_weight():
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        rms_norm(torch.zeros(2, 8, device=DEVICE), torch.ones(7, device=DEVICE))
+
+
+def test_kernel_input_errors_name_the_fix():
+    x = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        softmax(x.double())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        gelu([1.0, 2.0])
+    with pytest.raises(TypeError, match="cast them to one dtype"):
+        rms_norm(x, torch.ones(8, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="move all inputs to one device"):
+        rms_norm(x, torch.ones(8, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_16_bit_inputs_small(dtype):
+    """Interpreter: 16-bit loads are upcast before arithmetic (its bf16 maths is wrong otherwise)."""
+    x, w = randn(16, 48, dtype=dtype), (1 + 0.1 * randn(48, seed=1)).to(dtype)
+    ref = x.float()
+    torch.testing.assert_close(gelu(x).float(), F.gelu(ref, approximate="tanh"), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(softmax(x).float(), torch.softmax(ref, dim=-1), atol=1e-2, rtol=2e-2)
+    torch.testing.assert_close(rms_norm(x, w).float(), F.rms_norm(ref, (48,), w.float(), eps=1e-5),
+                               atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Online softmax and FlashAttention (float32; interpreter-sized)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16, 100])
+def test_online_softmax_equals_softmax(block_size):
+    x = randn(5, 17) * 10
+    torch.testing.assert_close(online_softmax(x, block_size), torch.softmax(x, dim=-1))
+
+
+def sdpa(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_flash_attention_matches_sdpa(head_dim, causal):
+    # T = 48 is not a multiple of the interpreter's blocks (64 query rows, 32 keys): the online
+    # softmax runs over a full and a partial key block, through the unmasked and the masked loop.
+    q, k, v = (randn(1, 2, 48, head_dim, seed=s) for s in range(3))
+    out, grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal), q, k, v)
+    ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, causal), q, k, v, grad_out=do)
+    assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T", [1, 17, 100])  # 100: several query blocks, causal skipping
+def test_flash_attention_sequence_lengths(T, causal):
+    q, k, v = (randn(2, 1, T, 16, seed=s) for s in range(3))
+    out, grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal), q, k, v)
+    ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, causal), q, k, v, grad_out=do)
+    assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_saves_the_log_sum_exp(causal):
+    q, k, v = (randn(1, 2, 40, 16, seed=s) for s in range(3))
+    out, lse = flash_attention_forward(q, k, v, causal=causal)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(16)
+    if causal:
+        scores = scores + causal_mask(40, device=DEVICE)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, sdpa(q, k, v, causal), atol=1e-5, rtol=1e-4)
+
+
+def test_flash_attention_scale_and_strided_inputs():
+    # (B, T, H, D) transposed to (B, H, T, D) is not contiguous; a custom scale is honoured.
+    q, k, v = (randn(1, 33, 2, 32, seed=s).transpose(1, 2) for s in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    torch.testing.assert_close(flash_attention(q, k, v, sm_scale=0.3), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_flash_attention_16_bit_forward_small():
+    q, k, v = (randn(1, 2, 40, 32, seed=s, dtype=torch.bfloat16) for s in range(3))
+    expected = sdpa(q.float(), k.float(), v.float(), True)
+    torch.testing.assert_close(flash_attention(q, k, v, causal=True).float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_flash_attention_errors_name_the_fix():
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim 24 is not supported.*16, 32, 64, 128"):
+        z = torch.zeros(1, 2, 8, 24, device=DEVICE)
+        flash_attention(z, z, z)
+    with pytest.raises(ValueError, match=r"\(batch, heads, seq_len, head_dim\)"):
+        flash_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="one shape"):
+        flash_attention(q, q[:, :1], q)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        flash_attention(q.double(), q.double(), q.double())
+    with pytest.raises(ValueError, match="move all inputs to one device"):
+        flash_attention(q, torch.zeros(1, 2, 8, 16, device="meta"), q)
+    assert HEAD_DIMS == (16, 32, 64, 128)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="only a machine without a GPU needs the interpreter")
+def test_triton_imported_too_early_gets_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", "import triton, lmfs.kernels"], env=env, capture_output=True,
+                         text=True)
+    assert run.returncode != 0
+    assert "import lmfs.kernels before anything that imports triton" in run.stderr
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU is refused only when kernels are compiled for a GPU")
+def test_interpreter_refuses_other_devices():
+    q = torch.zeros(1, 1, 8, 16, device="meta")
+    with pytest.raises(ValueError, match="run on the CPU"):
+        flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_torch_matches_sdpa(causal):
+    q, k, v = (randn(2, 2, 48, 16, seed=s) for s in range(3))
+    fn = lambda *t: flash_attention_torch(*t, causal=causal, block_size=16)  # noqa: E731
+    out, grads, do = forward_backward(fn, q, k, v)
+    ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, causal), q, k, v, grad_out=do)
+    assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+
+def test_flash_attention_torch_partial_blocks_and_shape_errors():
+    q, k, v = (randn(1, 1, 21, 8, seed=s) for s in range(3))  # 21 = 2 blocks of 8 + 5
+    torch.testing.assert_close(flash_attention_torch(q, k, v, causal=True, block_size=8), sdpa(q, k, v, True),
+                               atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="one shape"):
+        flash_attention_torch(q, k[:, :, :3], v)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real sizes, 16-bit dtypes, autotuned flash attention, the CUDA C++ GeLU
+
+
+def assert_within_reference_error(ours, lowp, exact, atol=1e-4):
+    """``ours`` may be off from the exact result by at most twice what plain PyTorch in the same
+    dtype is off (the criterion of the FlashAttention repository), plus a small ``atol``."""
+    for a, b, e in zip(ours, lowp, exact):
+        err = (a.double() - e).abs().max().item()
+        base = (b.double() - e).abs().max().item()
+        assert err <= 2 * base + atol, f"error {err:.3g} vs PyTorch's {base:.3g} in the same dtype"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+def test_elementwise_and_row_kernels_gpu(dtype):
+    x = randn(1000, 3000, dtype=dtype, device="cuda")  # 3000 columns: a masked tail in every row
+    w = (1 + 0.1 * randn(3000, seed=1, device="cuda")).to(dtype)
+    cases = [(gelu, lambda t: F.gelu(t, approximate="tanh"), (x,)),
+             (softmax, lambda t: torch.softmax(t, dim=-1), (x,)),
+             (lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: F.rms_norm(a, (3000,), b, eps=1e-5), (x, w))]
+    for ours_fn, torch_fn, inputs in cases:
+        ours, ours_grads, dy = forward_backward(ours_fn, *inputs)
+        lowp, lowp_grads, _ = forward_backward(torch_fn, *inputs, grad_out=dy)
+        exact, exact_grads, _ = forward_backward(torch_fn, *(t.double() for t in inputs), grad_out=dy.double())
+        assert_within_reference_error([ours, *ours_grads], [lowp, *lowp_grads], [exact, *exact_grads])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64),
+                                            (torch.float32, 32)])
+def test_flash_attention_gpu(dtype, head_dim, causal):
+    B, H, T = 2, 4, 1000  # T not a multiple of any block size
+    q, k, v = (randn(B, H, T, head_dim, dtype=dtype, device="cuda", seed=s) for s in range(3))
+    mask = causal_mask(T, device="cuda") if causal else None
+
+    def naive(*t):  # written-out attention in the inputs' dtype (lmfs.nn's reference)
+        return attention_reference(*t, None if mask is None else mask.to(t[0].dtype))
+
+    def float64_attention(q, k, v):  # the exact answer: the same maths in float64 throughout
+        scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+        return torch.softmax(scores if mask is None else scores + mask.double(), dim=-1) @ v
+
+    ours, ours_grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal), q, k, v)
+    lowp, lowp_grads, _ = forward_backward(naive, q, k, v, grad_out=do)
+    exact, exact_grads, _ = forward_backward(float64_attention, q.double(), k.double(), v.double(),
+                                             grad_out=do.double())
+    assert_within_reference_error([ours, *ours_grads], [lowp, *lowp_grads], [exact, *exact_grads])
+
+
+@pytest.mark.gpu
+def test_flash_attention_long_sequence_gpu():
+    q, k, v = (randn(1, 2, 4096, 128, dtype=torch.bfloat16, device="cuda", seed=s) for s in range(3))
+    out, lse = flash_attention_forward(q, k, v, causal=True)
+    expected = sdpa(q.float(), k.float(), v.float(), True)
+    assert (out.float() - expected).abs().max().item() < 2e-2
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.gpu
+def test_flash_attention_torch_gpu():
+    q, k, v = (randn(2, 2, 300, 64, device="cuda", seed=s) for s in range(3))
+    torch.testing.assert_close(flash_attention_torch(q, k, v, causal=True), sdpa(q, k, v, True),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_kernels_refuse_cpu_tensors_on_a_gpu_machine():
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1 is set: the interpreter accepts CPU tensors")
+    with pytest.raises(ValueError, match="run on a CUDA GPU"):
+        gelu(torch.zeros(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_cuda(dtype):
+    problem = cuda_toolchain_problem()
+    if problem:
+        pytest.skip(problem)
+    x = randn(3, 1000, 7, dtype=dtype, device="cuda")
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gelu_cuda(x), F.gelu(x, approximate="tanh"), **tol)
