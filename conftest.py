@@ -1,10 +1,18 @@
-"""Repository-wide pytest hooks: a per-file duration table at the end of every run.
+"""Repository-wide pytest set-up: Triton's interpreter switch, and a per-file duration table.
 
 nbval reports each notebook cell as its own test, so pytest's ``--durations`` lists cells; this
 table adds them up per notebook (and per test file), which is the number the README records.
 """
 
+import os
 from collections import defaultdict
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported, and some torch modules a test imports
+# (e.g. the FLOP counter) import it before lmfs can set the switch: set it here, first of all.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _seconds: dict[str, float] = defaultdict(float)
 

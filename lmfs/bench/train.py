@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 from lmfs.accounting import (PEAK_FLOPS, attention_flops_per_token, matmul_params, training_flops,
                              training_memory)
+from lmfs.bench.probes import matmul_rate
+from lmfs.bench.roofline import datasheet
+from lmfs.bench.timing import benchmark
 from lmfs.env import resolve_device
 from lmfs.nn import TransformerConfig, TransformerLM, to_hf_llama
 from lmfs.train.loop import accumulate_gradients
@@ -51,45 +52,6 @@ def tiny() -> TransformerConfig:
     """A model small enough for a CPU test to train in milliseconds."""
     return TransformerConfig(vocab_size=512, context_length=64, d_model=64, n_layers=2, n_heads=4,
                              tie_embeddings=False)
-
-
-def datasheet_peak(device: torch.device) -> float | None:
-    """The bf16 dense peak of this GPU from :data:`lmfs.accounting.PEAK_FLOPS`, if it is listed."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((dtypes["bf16"] for chip, dtypes in PEAK_FLOPS.items() if chip in name), None)
-
-
-def time_calls(fn, reps: int, warmup: int, device: torch.device) -> list[float]:
-    """Seconds per call of ``fn``: CUDA events around each call on a GPU, wall clock on a CPU."""
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return times
-    torch.cuda.synchronize(device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) / 1e3 for start, end in events]
-
-
-def matmul_peak(device: torch.device) -> float:
-    """Measured matmul FLOP/s: 8192³ in bf16 on a GPU, 512³ in fp32 on a CPU (median)."""
-    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    seconds = statistics.median(time_calls(lambda: a @ b, reps=20, warmup=3, device=device))
-    return 2 * n**3 / seconds
 
 
 def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -169,8 +131,10 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
           f"({3 * attention_flops_per_token(config, T) / 1e9:.3f} G, full T×T) "
           f"= {flops_per_token / 1e9:.3f} G")
 
-    measured = matmul_peak(device)
-    sheet = datasheet_peak(device)
+    # The measured ceiling: an 8192³ bf16 matmul on a GPU (512³ fp32 on a CPU), median of 20.
+    measured = matmul_rate(8192 if cuda else 512, "bf16" if cuda else "fp32", device=device)
+    chip = datasheet(PEAK_FLOPS, torch.cuda.get_device_name(device)) if cuda else None
+    sheet = chip["bf16"] if chip else None
     result.update(measured_peak_flops=measured, datasheet_peak_flops=sheet)
     print(f"measured matmul peak: {measured / 1e12:.1f} TFLOP/s"
           + (f" (datasheet bf16 dense: {sheet / 1e12:.1f})" if sheet else ""))
@@ -185,7 +149,7 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
         optimizer = adamw(model, device)
         forward = torch.compile(model) if cuda else model
         step = lambda: training_step(forward, optimizer, x, y, dtype)  # noqa: E731
-        seconds = statistics.median(time_calls(step, steps, warmup, device))
+        seconds = benchmark(step, warmup=warmup, repeats=steps, device=device).median
         achieved = flops_per_token * B * T / seconds
         return dict(step_ms=seconds * 1e3, tokens_per_s=B * T / seconds, achieved_flops=achieved,
                     mfu_measured=achieved / measured, mfu_datasheet=achieved / sheet if sheet else None,
