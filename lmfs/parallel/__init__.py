@@ -1,0 +1,42 @@
+"""Training on several devices with ``torch.distributed``, each strategy written out.
+
+* :mod:`lmfs.parallel.launch`: :func:`run` starts ranks (spawned, or under ``torchrun``).
+* :mod:`lmfs.parallel.comm`: collectives that count the bytes each rank sends.
+* :mod:`lmfs.parallel.collectives`: the eight collectives shown and checked; all-reduce as
+  reduce-scatter + all-gather.
+* :mod:`lmfs.parallel.bench`: collective bandwidth (``python -m lmfs.parallel.bench``).
+* :mod:`lmfs.parallel.ddp`: data parallelism, naive and bucketed with overlap; the single-process
+  reference every strategy is checked against.
+* :mod:`lmfs.parallel.zero`: ZeRO-1/2 sharded optimizer, ZeRO-3 / FSDP.
+* :mod:`lmfs.parallel.tensor`: tensor parallelism (column/row linear, MLP, attention) and
+  sequence parallelism.
+* :mod:`lmfs.parallel.pipeline`: pipeline stages, naive / GPipe / 1F1B schedules, bubbles.
+* :mod:`lmfs.parallel.expert`: expert parallelism with all-to-all.
+* :mod:`lmfs.parallel.ring_attention`: context parallelism with ring attention.
+* :mod:`lmfs.parallel.costs`: memory and communication per strategy, on paper.
+
+Functions that run on ranks (``train_ddp``, ``demo_collectives``, ...) take ``(rank, world_size,
+...)`` and are started with ``run(fn, world_size, ...)``.
+"""
+
+from lmfs.parallel.collectives import all_reduce_via_rs_ag, demo_collectives, reference_collectives
+from lmfs.parallel.comm import count_bytes
+from lmfs.parallel.costs import cost_table, llama_70b, strategy_costs
+from lmfs.parallel.ddp import DDP, NaiveDDP, demo_batches, demo_config, train_ddp, train_single
+from lmfs.parallel.expert import ExpertParallelMoE, MoE, train_expert_parallel, train_moe_single
+from lmfs.parallel.launch import RankFailedError, run
+from lmfs.parallel.pipeline import PipelineStage, bubble, plot_timeline, simulate_pipeline, train_pipeline
+from lmfs.parallel.ring_attention import full_attention, ring_attention
+from lmfs.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
+                                  TensorParallelMLP, tensor_parallel, train_tensor_parallel)
+from lmfs.parallel.zero import FullyShardedModel, ZeroOptimizer, train_zero
+
+__all__ = [
+    "DDP", "ColumnParallelLinear", "ExpertParallelMoE", "FullyShardedModel", "MoE", "NaiveDDP",
+    "PipelineStage", "RankFailedError", "RowParallelLinear", "TensorParallelAttention",
+    "TensorParallelMLP", "ZeroOptimizer", "all_reduce_via_rs_ag", "bubble", "cost_table",
+    "count_bytes", "demo_batches", "demo_collectives", "demo_config", "full_attention", "llama_70b",
+    "plot_timeline", "reference_collectives", "ring_attention", "run", "simulate_pipeline",
+    "strategy_costs", "tensor_parallel", "train_ddp", "train_expert_parallel", "train_moe_single",
+    "train_pipeline", "train_single", "train_tensor_parallel", "train_zero",
+]
