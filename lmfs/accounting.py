@@ -191,7 +191,7 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
 
 def training_memory(config: TransformerConfig, batch_size: int, seq_len: int, *,
                     compute_bytes: int = 2, optimizer: str = "adamw",
-                    activation_checkpointing: bool = False) -> dict[str, int]:
+                    activation_checkpointing: bool = False, grad_accum: int = 1) -> dict[str, int]:
     """Bytes of one training step of ``TransformerLM(config)`` as :func:`lmfs.train.train` runs it.
 
     Parameters, gradients and optimizer state are fp32 (4 bytes each). ``compute_bytes`` is 2
@@ -209,10 +209,9 @@ def training_memory(config: TransformerConfig, batch_size: int, seq_len: int, *,
     * ``logits``: the loss's ``(B·T, vocab)`` fp32 buffers at the start of the backward pass: the
       saved log-softmax plus its incoming and outgoing gradients, ``12·vocab`` bytes per token.
       (This is often the largest single item for small models with large vocabularies.)
-    * ``total``: the peak. Gradients are set to ``None`` between steps, so at the start of the
-      backward pass, the usual peak, there are none yet; they appear as activations are freed.
-      So ``total = parameters + optimizer_state + max(weight_copies + activations + logits,
-      gradients + recompute)``. With gradient accumulation, add ``gradients`` to the first term.
+    * ``total``: the peak, the sum of :func:`memory_at_peak`'s items. ``batch_size`` is the
+      micro-batch: with ``grad_accum > 1`` micro-batches per step, the gradients of the earlier
+      ones are held while the next one runs forward.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}")
@@ -239,10 +238,33 @@ def training_memory(config: TransformerConfig, batch_size: int, seq_len: int, *,
         "recompute": recompute,
         "logits": 12 * c.vocab_size * tokens,
     }
-    parts["total"] = (parts["parameters"] + parts["optimizer_state"]
-                      + max(parts["weight_copies"] + parts["activations"] + parts["logits"],
-                            parts["gradients"] + parts["recompute"]))
+    parts["total"] = sum(memory_at_peak(parts, grad_accum).values())
     return parts
+
+
+def memory_at_peak(parts: dict[str, int], grad_accum: int = 1) -> dict[str, int]:
+    """The items of :func:`training_memory` that are in memory together at the step's peak.
+
+    Parameters and optimizer state are always there. Gradients are set to ``None`` between
+    steps, so the peak is one of two moments: the start of the backward pass (bf16 weight copies,
+    activations and the loss's logit buffers all alive, no gradient yet), or later in the backward
+    pass (gradients growing while a recomputed block is alive; with checkpointing the stored
+    block inputs of the earlier layers are still there too). With gradient accumulation, the
+    gradients of the earlier micro-batches are held through the later forward passes.
+    """
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    peak = {"parameters": parts["parameters"], "optimizer_state": parts["optimizer_state"]}
+    forward = {k: parts[k] for k in ("weight_copies", "activations", "logits")}
+    backward = {"recompute": parts["recompute"]}
+    if parts["recompute"]:  # activation checkpointing: the stored block inputs are still alive
+        backward["activations"] = parts["activations"]
+    if grad_accum > 1:
+        peak["gradients"] = parts["gradients"]
+    else:
+        backward["gradients"] = parts["gradients"]
+    peak.update(forward if sum(forward.values()) >= sum(backward.values()) else backward)
+    return peak
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,9 +40,9 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "smoke": dict(
             warmup=2, reps=5,              # timing: untimed calls first, then the median of `reps`
             matmul_sizes=(64, 128, 256, 512, 1024),  # square matmuls for FLOP/s and the roofline
-            elementwise_numel=2**22,       # elements per operand of the memory-bound ops
+            elementwise_numel=2**24,       # elements per operand of the memory-bound ops
             # The model whose FLOPs, memory and speed we measure (the chart always uses GPT-2 small).
-            model=dict(vocab_size=512, context_length=64, d_model=64, n_layers=2, n_heads=4,
+            model=dict(vocab_size=1024, context_length=64, d_model=64, n_layers=2, n_heads=4,
                        tie_embeddings=False),
             batch_size=8,                  # sequences per step of that model
             step_reps=3,                   # timed training steps per measurement
@@ -68,7 +68,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             check_model=dict(vocab_size=512, context_length=64, d_model=64, n_layers=2, n_heads=4),
             accum_splits=(1, 2, 4, 8),
             init_depth=48, init_width=1024,
-            corpus_bytes=5_000_000, vocab_size=1_024,
+            corpus_bytes=25_000_000, vocab_size=1_024,  # about one epoch of the run below
             train_model=dict(context_length=256, d_model=256, n_layers=4, n_heads=8),
             train_batch=64, train_steps=300, lr=2e-3, warmup_steps=30, eval_every=50, eval_batches=8,
             opt_steps=100,

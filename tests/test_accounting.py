@@ -199,3 +199,42 @@ def test_memory_prediction_on_gpu(checkpointing):
     predicted = training_memory(config, B, T, activation_checkpointing=checkpointing)["total"]
     ratio = measured / predicted
     assert abs(ratio - 1) < 0.10, f"measured {measured / 2**30:.2f} GiB = {ratio:.3f} x predicted"
+
+
+@pytest.mark.parametrize("vocab", [256, 1024])
+@pytest.mark.parametrize("checkpointing, grad_accum", [(False, 1), (True, 1), (False, 4)])
+def test_predicted_peak_equals_tracked_tensor_peak(checkpointing, grad_accum, vocab):
+    """training_memory's total against the tensor bytes really alive at the peak of a step (CPU)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lmfs.accounting import memory_at_peak
+    from lmfs.bench.memory import step_peak
+    from lmfs.train import activation_checkpointing
+
+    torch.manual_seed(0)
+    # A small vocabulary puts the peak in the backward pass, a large one at its start.
+    config = TransformerConfig(vocab_size=vocab, context_length=64, d_model=64, n_layers=2, n_heads=4,
+                               tie_embeddings=False)
+    model = TransformerLM(config)
+    optimizer = AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randint(vocab, (8, 64)), torch.randint(vocab, (8, 64))
+    micro = [(x[i::grad_accum], y[i::grad_accum]) for i in range(grad_accum)]
+
+    def step():
+        accumulate_gradients(model, micro)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with activation_checkpointing(model) if checkpointing else contextlib.nullcontext():
+        ours = step_peak(step, model, optimizer, x, y)
+        if grad_accum == 1:  # torch's tracker handles one forward per module only
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, x, y)
+            with tracker:
+                step()
+            torch_peak = sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+            assert abs(ours / torch_peak - 1) < 0.01  # our tracker agrees with torch's
+    parts = training_memory(config, 8 // grad_accum, 64, compute_bytes=4,
+                            activation_checkpointing=checkpointing, grad_accum=grad_accum)
+    assert abs(ours / parts["total"] - 1) < 0.03
+    assert sum(memory_at_peak(parts, grad_accum).values()) == parts["total"]
