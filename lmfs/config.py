@@ -108,6 +108,112 @@ CONFIGS: dict[str, dict[str, dict]] = {
             norm_bench_shape=(65_536, 4096),
         ),
     },
+    "05": {
+        "smoke": dict(
+            warmup=1, reps=5,              # timing: untimed calls first, then the median of `reps`
+            copy_bytes=2**25,              # buffer of the copy-bandwidth probe
+            strides=(1, 2, 4, 8, 16, 32),  # strided-read probe: every stride-th float32
+            strided_elements=2**18,        # elements actually copied at each stride
+            matmul_n=256,                  # square matmul of the matmul-rate probe
+            matmul_dtypes=("fp32",),
+            roofline_numel=2**20,          # elements per operand of the memory-bound kernels
+            roofline_sizes=(32, 64, 128, 256),  # square matmuls placed on the roofline
+            sweep=(64, 384, 32),           # matmul-throughput sweep: start, stop, step
+            tile=(256, 128),               # (BM, BN) output tile of the wave-quantisation model
+            tiled_n=64, tiled_tiles=(4, 8, 16, 32),  # toy tiled matmul that counts its loads
+            online_cols=12, online_block=4,  # online softmax, step by step
+        ),
+        "full": dict(
+            warmup=3, reps=20,
+            copy_bytes=2**30,              # far beyond the 50 MB L2 of an H100/H200
+            strides=(1, 2, 4, 8, 16, 32),
+            strided_elements=2**26,
+            matmul_n=8192,
+            matmul_dtypes=("fp32", "tf32", "bf16", "fp16"),
+            roofline_numel=2**27,
+            roofline_sizes=(256, 512, 1024, 2048, 4096, 8192),
+            sweep=(1536, 6144, 64),        # multiples of 64: aligned, so only tiles and waves change
+            tile=(256, 128),
+            tiled_n=64, tiled_tiles=(4, 8, 16, 32),
+            online_cols=12, online_block=4,
+        ),
+    },
+    "06": {
+        "smoke": dict(
+            check_shape=(37, 300),         # GeLU/softmax/RMSNorm checks: 300 is no power of two
+            attn_check=dict(B=1, H=2),     # FlashAttention checks (fp32 under the interpreter)
+            attn_check_head_dims={"float32": 32, "bfloat16": 32},  # head dim per dtype (bf16: GPU only)
+            attn_check_lens=(64, 100),     # 100 is not a multiple of the blocks (64 queries, 32 keys)
+            torch_fa_block=32,             # block size of the tiled PyTorch FlashAttention
+            profile_shape=(64, 256),       # tensor the profiler tables run on
+            attn_profile=dict(B=1, H=2, T=64, D=32),
+            compile=False,                 # torch.compile costs ~20 s on a CPU: GPU only
+            attn_seq_lens=(32, 64), attn_head_dims=(32,), attn_tokens=64, attn_heads=2,
+        ),
+        "full": dict(
+            check_shape=(1000, 3000),
+            attn_check=dict(B=2, H=4),
+            attn_check_head_dims={"float32": 32, "bfloat16": 64},
+            attn_check_lens=(1000,),       # the benchmark below also checks T = 1024, 4096, 8192
+            torch_fa_block=64,
+            profile_shape=(8192, 4096),
+            attn_profile=dict(B=4, H=16, T=4096, D=128),
+            compile=True,
+            # a few lengths: every new (T, head dim, causal) autotunes the kernels (~3 s each)
+            attn_seq_lens=(1024, 4096, 8192), attn_head_dims=(128,), attn_tokens=16384, attn_heads=16,
+        ),
+    },
+    "07": {
+        "smoke": dict(
+            collective_ranks=4,            # the collectives table: ranks in the demo
+            bench_ranks=2,                 # the bandwidth benchmark (NCCL when there are 2 GPUs)
+            bench_sizes=(2**16, 2**18, 2**20, 2**22, 2**24),  # message bytes: 64 KB .. 16 MB, gloo
+            bench_warmup=2, bench_iters=10,
+            torchrun_max_mb=0.25,          # the same benchmark started by torchrun, up to this size
+            copy_bytes=2**26,              # device-memory copy probe for the hierarchy table
+        ),
+        "full": dict(
+            collective_ranks=4,            # 4 ranks > 2 GPUs: these run on gloo even here
+            bench_ranks=2,
+            bench_sizes=None,              # lmfs.parallel.bench's default: 1 MB .. 1 GB on GPUs
+            bench_warmup=5, bench_iters=20,
+            torchrun_max_mb=64,
+            copy_bytes=2**30,
+        ),
+    },
+    "08": {
+        "smoke": dict(
+            world_size=2,                  # ranks for every strategy (NCCL on 2 GPUs, else gloo)
+            model=dict(n_kv_heads=2),      # overrides of lmfs.parallel.demo_config (~40k parameters)
+            steps=3, batch_size=8, seq_len=16,
+            adamw=dict(lr=1e-3, eps=1e-6),  # eps bounds how much Adam amplifies rounding noise
+            sgd=dict(lr=0.1, momentum=0.9),  # SGD's step is proportional to the gradient
+            bucket_size_mb=0.02,           # small buckets, so DDP and ZeRO-2 use several
+            micro_batches=4,
+            moe=dict(tokens=32, d_model=16, d_ff=32, n_experts=8),
+            ring=dict(batch=2, heads=2, seq_len=32, head_dim=8),
+            bubble=dict(stages=4, micro_batches=(1, 2, 4, 8), forward_ms=20, backward_ms=40),
+            atol=1e-5,                     # parameters after training vs single-process training
+            throughput=None,               # needs 2 GPUs: the full scale runs it
+        ),
+        "full": dict(
+            world_size=2,
+            model=dict(n_kv_heads=2),
+            steps=3, batch_size=8, seq_len=16,
+            adamw=dict(lr=1e-3, eps=1e-6),
+            sgd=dict(lr=0.1, momentum=0.9),
+            bucket_size_mb=0.02,
+            micro_batches=4,
+            moe=dict(tokens=32, d_model=16, d_ff=32, n_experts=8),
+            ring=dict(batch=2, heads=2, seq_len=32, head_dim=8),
+            bubble=dict(stages=4, micro_batches=(1, 2, 4, 8), forward_ms=20, backward_ms=40),
+            atol=1e-5,
+            # Throughput on 2 GPUs: a ~110M-parameter model, fp32, 16 × 512 tokens per step.
+            throughput=dict(model=dict(vocab_size=8192, context_length=512, d_model=1024, n_layers=8,
+                                       n_heads=16),
+                            batch_size=16, steps=8, micro_batches=4, bucket_size_mb=25),
+        ),
+    },
 }
 
 

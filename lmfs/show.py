@@ -14,6 +14,11 @@ def source_of(obj) -> tuple[str, str]:
     target = inspect.unwrap(obj)
     if isinstance(target, property):
         target = target.fget
+    # Triton kernels (@triton.jit, @triton.autotune) wrap the Python function in objects whose
+    # `.fn` is the next layer in; follow it down to the function itself.
+    while not (inspect.isroutine(target) or inspect.isclass(target) or inspect.ismodule(target)) \
+            and callable(getattr(target, "fn", None)):
+        target = target.fn
     try:
         lines, start = inspect.getsourcelines(target)
         path = inspect.getsourcefile(target) or "?"

@@ -25,3 +25,11 @@ def test_show_prints_outside_jupyter(capsys):
 def test_show_rejects_objects_without_source():
     with pytest.raises(TypeError, match="cannot find the source"):
         lmfs.show(len)
+
+
+def test_show_unwraps_triton_kernels():
+    import lmfs.kernels  # noqa: F401  (sets up Triton: the interpreter without a GPU)
+    from lmfs.kernels.gelu import _gelu_fwd_kernel as kernel
+
+    location, source = source_of(kernel)
+    assert location.startswith("lmfs/kernels/gelu.py:") and "tl." in source
