@@ -7,6 +7,7 @@ batches several checks.
 
 import time
 import weakref
+from functools import partial
 
 import matplotlib
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmfs.parallel import run
+from lmfs.parallel import run, run_each
 from lmfs.parallel.bench import bandwidth_worker
 from lmfs.parallel.collectives import (collectives_table, compare_all_reduce, demo_collectives,
                                        reference_collectives)
@@ -23,7 +24,7 @@ from lmfs.parallel.ddp import (DDP, NaiveDDP, build_model, demo_batches, demo_co
                                train_single)
 from lmfs.parallel.expert import moe_batches, train_expert_parallel, train_moe_single
 from lmfs.parallel.launch import RankFailedError, free_port
-from lmfs.parallel.pipeline import bubble, plot_timeline, simulate_pipeline, train_pipeline
+from lmfs.parallel.pipeline import bubble, bubble_sweep, plot_timeline, train_pipeline
 from lmfs.parallel.ring_attention import check_ring_attention, full_attention, full_attention_inputs
 from lmfs.parallel.tensor import train_tensor_parallel
 from lmfs.parallel.zero import FullyShardedModel, ZeroOptimizer, train_zero
@@ -52,10 +53,6 @@ def merged(states):
 # Launcher
 
 
-def collectives_worker(rank, world_size):
-    return {"demo": demo_collectives(rank, world_size), "all_reduce": compare_all_reduce(rank, world_size)}
-
-
 def failing_worker(rank, world_size):
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
@@ -75,7 +72,10 @@ def rank_and_size(rank, world_size):
 
 
 def test_collectives_equal_their_definitions():
-    results = run(collectives_worker, 4)
+    # run_each: both rank functions in one launch, results regrouped per job
+    each = run_each({"demo": demo_collectives, "all_reduce": partial(compare_all_reduce, numel=1000)}, 4)
+    assert list(each) == ["demo", "all_reduce"] and all(len(v) == 4 for v in each.values())
+    results = [{job: each[job][rank] for job in each} for rank in range(4)]
     table = collectives_table([r["demo"] for r in results])
     assert table.loc["all_to_all", "rank 1"] == "[10, 11, 12, 13] → [1, 11, 21, 31]"
     want = reference_collectives(4)
@@ -123,6 +123,10 @@ def test_a_port_taken_before_rank_0_binds_it_is_retried(monkeypatch):
 def test_unimportable_functions_are_rejected_with_the_fix():
     with pytest.raises(ValueError, match="top level of a .py module"):
         run(lambda rank, world_size: rank, 2)
+    with pytest.raises(ValueError, match="top level of a .py module"):  # checked before any process starts
+        run_each({"fine": rank_and_size, "not": partial(lambda rank, world_size: rank)}, 2)
+    with pytest.raises(TypeError, match="functools.partial"):
+        run_each({"oops": 3}, 2)
 
     def nested(rank, world_size):
         return rank
@@ -222,6 +226,7 @@ def data_parallel_worker(rank, world_size, config, batches):
 def test_data_parallel_and_zero_match_single_process():
     config, batches = demo_config(), demo_batches(3, 8, 16, 64)
     ref = train_single(config, batches, torch.optim.AdamW, ADAMW)
+    assert len(ref["losses"]) == len(ref["step_seconds"]) == len(batches)
     results = run(data_parallel_worker, 2, config, batches)
     res = results[0]
     for name in ("naive", "bucketed", "zero1", "zero2", "zero3"):
@@ -300,7 +305,7 @@ def test_tensor_and_sequence_parallel_match_single_process():
 def pipeline_worker(rank, world_size, config, batches):
     out = {s: train_pipeline(rank, world_size, config, batches, s, 4, torch.optim.AdamW, ADAMW)
            for s in ("naive", "gpipe", "1f1b")}
-    out["simulated"] = {s: simulate_pipeline(rank, world_size, s, 4, 20, 40) for s in ("gpipe", "1f1b")}
+    out["simulated"] = bubble_sweep(rank, world_size, ("gpipe", "1f1b"), (4,), 20, 40)
     return out
 
 
@@ -328,7 +333,7 @@ def test_pipeline_schedules_match_single_process_and_bubble_formula():
     ax = plot_timeline([r["1f1b"]["timeline"] for r in results], title="1F1B")
     assert len(ax.collections) == len(ax.texts) == 4 * 8  # 4 stages × (4 forwards + 4 backwards)
     for s in ("gpipe", "1f1b"):
-        b = bubble([r["simulated"][s] for r in results], 4)
+        b = bubble([r["simulated"][s][4] for r in results], 4)
         assert b["formula_fraction"] == pytest.approx(3 / 7)
         # Sleeps make stage times equal; messages add a little idle time on top of the formula.
         assert b["formula_fraction"] - 0.02 < b["measured_fraction"] < b["formula_fraction"] + 0.12, b

@@ -1,6 +1,7 @@
 """Training on several devices with ``torch.distributed``, each strategy written out.
 
-* :mod:`lmfs.parallel.launch`: :func:`run` starts ranks (spawned, or under ``torchrun``).
+* :mod:`lmfs.parallel.launch`: :func:`run` starts ranks (spawned, or under ``torchrun``);
+  :func:`run_each` runs several rank functions in one launch.
 * :mod:`lmfs.parallel.comm`: collectives that count the bytes each rank sends.
 * :mod:`lmfs.parallel.collectives`: the eight collectives shown and checked; all-reduce as
   reduce-scatter + all-gather.
@@ -24,8 +25,9 @@ from lmfs.parallel.comm import count_bytes
 from lmfs.parallel.costs import cost_table, llama_70b, strategy_costs
 from lmfs.parallel.ddp import DDP, NaiveDDP, demo_batches, demo_config, train_ddp, train_single
 from lmfs.parallel.expert import ExpertParallelMoE, MoE, train_expert_parallel, train_moe_single
-from lmfs.parallel.launch import RankFailedError, run
-from lmfs.parallel.pipeline import PipelineStage, bubble, plot_timeline, simulate_pipeline, train_pipeline
+from lmfs.parallel.launch import RankFailedError, run, run_each
+from lmfs.parallel.pipeline import (PipelineStage, bubble, bubble_sweep, plot_timeline, simulate_pipeline,
+                                    train_pipeline)
 from lmfs.parallel.ring_attention import full_attention, ring_attention
 from lmfs.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
                                   TensorParallelMLP, tensor_parallel, train_tensor_parallel)
@@ -34,9 +36,9 @@ from lmfs.parallel.zero import FullyShardedModel, ZeroOptimizer, train_zero
 __all__ = [
     "DDP", "ColumnParallelLinear", "ExpertParallelMoE", "FullyShardedModel", "MoE", "NaiveDDP",
     "PipelineStage", "RankFailedError", "RowParallelLinear", "TensorParallelAttention",
-    "TensorParallelMLP", "ZeroOptimizer", "all_reduce_via_rs_ag", "bubble", "cost_table",
+    "TensorParallelMLP", "ZeroOptimizer", "all_reduce_via_rs_ag", "bubble", "bubble_sweep", "cost_table",
     "count_bytes", "demo_batches", "demo_collectives", "demo_config", "full_attention", "llama_70b",
-    "plot_timeline", "reference_collectives", "ring_attention", "run", "simulate_pipeline",
+    "plot_timeline", "reference_collectives", "ring_attention", "run", "run_each", "simulate_pipeline",
     "strategy_costs", "tensor_parallel", "train_ddp", "train_expert_parallel", "train_moe_single",
     "train_pipeline", "train_single", "train_tensor_parallel", "train_zero",
 ]

@@ -70,22 +70,26 @@ def build_model(config: TransformerConfig, seed: int, device) -> TransformerLM:
 
 
 def train_single(config: TransformerConfig, batches, optimizer_class=torch.optim.AdamW,
-                 optimizer_kwargs: dict | None = None, seed: int = 0) -> dict:
+                 optimizer_kwargs: dict | None = None, seed: int = 0, device="cpu") -> dict:
     """Train ``TransformerLM(config)`` (initialised from ``seed``) on ``batches`` in this process.
 
-    Returns ``{"state": state_dict, "losses": [...]}``: what every distributed strategy must
-    reproduce on the same data.
+    Returns ``{"state": state_dict, "losses": [...], "step_seconds": [...]}`` (the state on the
+    CPU): what every distributed strategy must reproduce on the same data. On a GPU ``device``
+    it is also the one-GPU baseline a throughput comparison starts from.
     """
-    model = build_model(config, seed, "cpu")
+    model = build_model(config, seed, device)
     opt = optimizer_class(model.parameters(), **(optimizer_kwargs or {}))
-    losses = []
+    losses, seconds = [], []
     for x, y in batches:
-        _, loss = model(x, y)
+        start = now(device)
+        _, loss = model(x.to(device), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"state": model.state_dict(), "losses": losses}
+        seconds.append(now(device) - start)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return {"state": state, "losses": losses, "step_seconds": seconds}
 
 
 def now(device) -> float:

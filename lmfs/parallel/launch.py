@@ -208,6 +208,35 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60, 
             results.close()
 
 
+def _run_jobs(rank: int, world_size: int, jobs: dict) -> dict:
+    """Rank function behind :func:`run_each`: the jobs one after the other, in the same order on
+    every rank (so their collectives pair up)."""
+    return {name: fn(rank, world_size) for name, fn in jobs.items()}
+
+
+def run_each(jobs: dict, world_size: int, backend: str = "auto", timeout: float = 60) -> dict[str, list]:
+    """Run several rank functions in one launch; ``{name: [result of rank 0, rank 1, ...]}``.
+
+    Starting processes (each imports torch) often costs more than a small demo itself, so a
+    lecture pays it once::
+
+        from functools import partial
+        out = run_each({"naive": partial(train_ddp, config=cfg, batches=b, mode="naive"),
+                        "zero3": partial(train_zero, config=cfg, batches=b, stage=3)}, 2)
+        out["zero3"][0]["state"]       # rank 0's result of the second job
+
+    ``jobs`` maps names to rank functions ``fn(rank, world_size)`` (bind the other arguments
+    with :func:`functools.partial`); each must be importable, as for :func:`run`. They run in
+    the order given, in the same process group.
+    """
+    for name, fn in jobs.items():
+        if not callable(fn):
+            raise TypeError(f"job {name!r} is {fn!r}: pass a rank function, or functools.partial(fn, ...)")
+        _check_importable(fn)
+    per_rank = run(_run_jobs, world_size, dict(jobs), backend=backend, timeout=timeout)
+    return {name: [r[name] for r in per_rank] for name in jobs}
+
+
 def _collect(procs, results, timeout: float) -> list:
     """Wait for one message per rank; turn the first error, death or hang into an exception."""
     world_size = len(procs)

@@ -428,3 +428,15 @@ def simulate_pipeline(rank: int, world_size: int, schedule: str = "1f1b", micro_
     clock.start()
     events = run_schedule(schedule, work, links, micro_batches, clock)
     return [(kind, i, clock.seconds(a), clock.seconds(b)) for kind, i, a, b in events]
+
+
+def bubble_sweep(rank: int, world_size: int, schedules=("gpipe", "1f1b"), micro_batches=(1, 2, 4, 8),
+                 forward_ms: float = 20, backward_ms: float = 40) -> dict:
+    """Rank function: :func:`simulate_pipeline` for every schedule and micro-batch count.
+
+    Returns ``{schedule: {m: this rank's timeline}}``; feed ``[t[s][m] for t in results]`` to
+    :func:`bubble` or :func:`plot_timeline`. Launch with ``backend="gloo"``, as for
+    :func:`simulate_pipeline`.
+    """
+    return {s: {m: simulate_pipeline(rank, world_size, s, m, forward_ms, backward_ms) for m in micro_batches}
+            for s in schedules}
