@@ -107,10 +107,15 @@ class CausalSelfAttention(nn.Module):
                      if config.positions == "rope" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", h=self.n_heads)
         kv_in = self.kv_norm(self.kv_down(x)) if self.mla else x
-        k = rearrange(self.k_proj(kv_in), "b t (h d) -> b h t d", h=self.n_kv_heads)
-        v = rearrange(self.v_proj(kv_in), "b t (h d) -> b h t d", h=self.n_kv_heads)
+        return self.o_proj(self.heads(self.q_proj(x), self.k_proj(kv_in), self.v_proj(kv_in)))
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Projected ``(B, T, H·d)`` queries, keys and values -> attended ``(B, T, H·d)``:
+        split into heads, QK-norm, RoPE, GQA sharing, attention, heads merged again."""
+        q = rearrange(q, "b t (h d) -> b h t d", h=self.n_heads)
+        k = rearrange(k, "b t (h d) -> b h t d", h=self.n_kv_heads)
+        v = rearrange(v, "b t (h d) -> b h t d", h=self.n_kv_heads)
         if self.q_norm is not None:  # normalise before rotating, as OLMo 2 and Gemma 3 do
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
@@ -119,8 +124,7 @@ class CausalSelfAttention(nn.Module):
         groups = self.n_heads // self.n_kv_heads
         k = repeat(k, "b h t d -> b (h g) t d", g=groups)
         v = repeat(v, "b h t d -> b (h g) t d", g=groups)
-        y = self.attend(q, k, v)
-        return self.o_proj(rearrange(y, "b h t d -> b t (h d)"))
+        return rearrange(self.attend(q, k, v), "b h t d -> b t (h d)")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of ``(B, H, T, d)`` heads, by the path ``config.attn_impl`` picks."""

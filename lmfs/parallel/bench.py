@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
+from lmfs.bench.timing import benchmark
 from lmfs.parallel import comm
 from lmfs.parallel.launch import device_for, run
 
@@ -48,27 +47,6 @@ def _collective(op: str, nbytes: int, n: int, device):
     return lambda: comm.reduce_scatter_into(shard, full)
 
 
-def _median_seconds(fn, warmup: int, iters: int, device) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                 for _ in range(iters)]
-        for start, end in marks:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in marks)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bandwidth_worker(rank: int, world_size: int, ops=("all_reduce", "all_gather", "reduce_scatter"),
                      sizes=None, warmup: int = 5, iters: int = 20) -> list[dict]:
     """Rank function: one row per (collective, size) with the slowest rank's median time."""
@@ -81,7 +59,7 @@ def bandwidth_worker(rank: int, world_size: int, ops=("all_reduce", "all_gather"
         for nbytes in sizes:
             fn = _collective(op, nbytes, world_size, device)
             dist.barrier()
-            t = torch.tensor([_median_seconds(fn, warmup, iters, device)], device=device)
+            t = torch.tensor([benchmark(fn, warmup=warmup, repeats=iters, device=device).median], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             seconds = t.item()
             algbw = nbytes / seconds

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from einops import rearrange, repeat
 from torch import nn
 
 from lmfs.nn import CausalSelfAttention, GatedMLP, TransformerConfig, TransformerLM
@@ -288,6 +287,7 @@ class TensorParallelAttention(nn.Module):
                              f"divisible by the {n} tensor-parallel ranks")
         self.n_heads, self.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n
         self.window, self.softcap, self.impl, self.rope = attn.window, attn.softcap, attn.impl, attn.rope
+        self.q_norm = None  # QK-norm is refused above
         q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         has_bias = q.bias is not None
         self.qkv = ColumnParallelLinear(q.weight.shape[1], [q.weight.shape[0], k.weight.shape[0],
@@ -298,21 +298,13 @@ class TensorParallelAttention(nn.Module):
                                         sequence_parallel)
         self.o_proj.load_full(o.weight, o.bias)
 
-    # The per-head attention is the single-GPU one, reading window/softcap/impl from self.
+    # Everything after the projections is the single-GPU code, on this rank's heads (it reads
+    # n_heads, n_kv_heads, q_norm, rope, window, softcap and impl from self).
+    heads = CausalSelfAttention.heads
     attend = CausalSelfAttention.attend
 
     def forward(self, x):
-        q, k, v = self.qkv(x).split(self.qkv.local_splits, dim=-1)
-        q = rearrange(q, "b t (h d) -> b h t d", h=self.n_heads)
-        k = rearrange(k, "b t (h d) -> b h t d", h=self.n_kv_heads)
-        v = rearrange(v, "b t (h d) -> b h t d", h=self.n_kv_heads)
-        if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
-        groups = self.n_heads // self.n_kv_heads
-        k = repeat(k, "b h t d -> b (h g) t d", g=groups)
-        v = repeat(v, "b h t d -> b (h g) t d", g=groups)
-        y = self.attend(q, k, v)
-        return self.o_proj(rearrange(y, "b h t d -> b t (h d)"))
+        return self.o_proj(self.heads(*self.qkv(x).split(self.qkv.local_splits, dim=-1)))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         (ws, bs), (w_o, b_o) = self.qkv.full_weights(), self.o_proj.full_weights()
