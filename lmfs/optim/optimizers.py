@@ -18,7 +18,28 @@ def _check(name: str, value: float, low: float = 0.0, high: float = math.inf):
         raise ValueError(f"{name}={value} must lie in [{low}, {high})")
 
 
-class SGD(torch.optim.Optimizer):
+class _Optimizer(torch.optim.Optimizer):
+    """What every optimizer here shares: ``step`` evaluates the optional closure, then calls the
+    subclass's ``update(p, grad, group, state)`` for each parameter that has a gradient."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, p.grad, group, self.state[p])
+        return loss
+
+    def update(self, p: torch.Tensor, g: torch.Tensor, group: dict, state: dict) -> None:
+        raise NotImplementedError
+
+
+class SGD(_Optimizer):
     """Stochastic gradient descent with optional momentum, Nesterov momentum and weight decay.
 
     Per parameter ``p`` with gradient ``g``::
@@ -39,32 +60,21 @@ class SGD(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
-                if mu != 0:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = g.clone()
-                    else:
-                        state["momentum_buffer"].mul_(mu).add_(g)
-                    buf = state["momentum_buffer"]
-                    g = g.add(buf, alpha=mu) if group["nesterov"] else buf
-                p.add_(g, alpha=-lr)
-        return loss
+    def update(self, p, g, group, state):
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        if wd != 0:
+            g = g.add(p, alpha=wd)
+        if mu != 0:
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = g.clone()
+            else:
+                state["momentum_buffer"].mul_(mu).add_(g)
+            buf = state["momentum_buffer"]
+            g = g.add(buf, alpha=mu) if group["nesterov"] else buf
+        p.add_(g, alpha=-lr)
 
 
-class AdaGrad(torch.optim.Optimizer):
+class AdaGrad(_Optimizer):
     """Per-coordinate learning rates from the running sum of squared gradients.
 
     ``s = s + g²``;  ``p = p - lr · g / (sqrt(s) + eps)`` (with ``g = g + weight_decay · p``).
@@ -78,28 +88,17 @@ class AdaGrad(torch.optim.Optimizer):
         _check("weight_decay", weight_decay)
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
-                state = self.state[p]
-                if "sum_sq" not in state:
-                    state["sum_sq"] = torch.zeros_like(p)
-                state["sum_sq"].addcmul_(g, g)
-                p.addcdiv_(g, state["sum_sq"].sqrt().add_(eps), value=-lr)
-        return loss
+    def update(self, p, g, group, state):
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        if wd != 0:
+            g = g.add(p, alpha=wd)
+        if "sum_sq" not in state:
+            state["sum_sq"] = torch.zeros_like(p)
+        state["sum_sq"].addcmul_(g, g)
+        p.addcdiv_(g, state["sum_sq"].sqrt().add_(eps), value=-lr)
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(_Optimizer):
     """Adam: momentum on the gradient, scaled by a running RMS of the gradient.
 
     Per parameter, at step ``t`` (from 1)::
@@ -125,34 +124,21 @@ class Adam(torch.optim.Optimizer):
         _check("weight_decay", weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if wd != 0 and self.decoupled:
-                    p.mul_(1 - lr * wd)
-                elif wd != 0:
-                    g = g.add(p, alpha=wd)
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"], state["m"], state["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
-                state["step"] += 1
-                t, m, v = state["step"], state["m"], state["v"]
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-        return loss
+    def update(self, p, g, group, state):
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        if wd != 0 and self.decoupled:
+            p.mul_(1 - lr * wd)
+        elif wd != 0:
+            g = g.add(p, alpha=wd)
+        if "step" not in state:
+            state["step"], state["m"], state["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+        state["step"] += 1
+        t, m, v = state["step"], state["m"], state["v"]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
 
 
 class AdamW(Adam):
