@@ -18,11 +18,10 @@ All timings are medians of :func:`lmfs.bench.timing.benchmark` after warm-up.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 
+from lmfs.bench import save_json
 from lmfs.bench.roofline import HBM_BANDWIDTH, datasheet
 from lmfs.bench.timing import benchmark
 
@@ -122,10 +121,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     result = run(args.device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"results written to {args.json}", file=sys.stderr)
+    save_json(result, args.json)
     return result
 
 

@@ -27,13 +27,12 @@ CPU so the code path is exercised; those numbers say nothing about real hardware
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 
 from lmfs.accounting import (PEAK_FLOPS, attention_flops_per_token, matmul_params, training_flops,
                              training_memory)
+from lmfs.bench import save_json
 from lmfs.bench.probes import matmul_rate
 from lmfs.bench.roofline import datasheet
 from lmfs.bench.timing import benchmark
@@ -208,10 +207,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     result = run(args.steps, args.batch_size, hf=not args.no_hf, device=args.device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"results written to {args.json}", file=sys.stderr)
+    save_json(result, args.json)
     return result
 
 

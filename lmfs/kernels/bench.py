@@ -24,13 +24,13 @@ numbers say nothing about real hardware.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from lmfs.bench import save_json
 from lmfs.bench.probes import copy_bandwidth
 from lmfs.bench.timing import benchmark
 from lmfs.kernels import INTERPRET, cuda_toolchain_problem, flash_attention, gelu, gelu_cuda, gelu_torch
@@ -273,20 +273,13 @@ def _print_attention_table(result: dict) -> None:
 # Command lines
 
 
-def _save(result: dict, path: str | None) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"results written to {path}", file=sys.stderr)
-
-
 def main_kernels(argv=None) -> dict:
     parser = argparse.ArgumentParser(description="GeLU, softmax and RMSNorm: lmfs Triton vs PyTorch, in GB/s")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile (it takes a while)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     result = run_kernels(compile_=False if args.no_compile else None)
-    _save(result, args.json)
+    save_json(result, args.json)
     return result
 
 
@@ -299,5 +292,5 @@ def main_attention(argv=None) -> dict:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     result = run_attention(args.seq_lens, args.head_dims, naive_max_seq=args.naive_max_seq)
-    _save(result, args.json)
+    save_json(result, args.json)
     return result

@@ -237,6 +237,20 @@ def run_each(jobs: dict, world_size: int, backend: str = "auto", timeout: float 
     return {name: [r[name] for r in per_rank] for name in jobs}
 
 
+def _drain(results, values: dict, failures: dict) -> None:
+    """Take every message already waiting: results into ``values``, errors into ``failures``
+    (the first error a rank reported is kept)."""
+    while True:
+        try:
+            rank, ok, payload = results.get_nowait()
+        except queue_lib.Empty:
+            return
+        if ok:
+            values[rank] = pickle.loads(payload)
+        else:
+            failures.setdefault(rank, payload)
+
+
 def _collect(procs, results, timeout: float) -> list:
     """Wait for one message per rank; turn the first error, death or hang into an exception."""
     world_size = len(procs)
@@ -250,15 +264,7 @@ def _collect(procs, results, timeout: float) -> list:
             if dead:
                 # Give a message that is still in flight a moment to arrive before blaming the rank.
                 time.sleep(1.0)
-                while True:
-                    try:
-                        rank, ok, payload = results.get_nowait()
-                    except queue_lib.Empty:
-                        break
-                    if ok:
-                        values[rank] = pickle.loads(payload)
-                    else:
-                        failures[rank] = payload
+                _drain(results, values, failures)
                 if failures:
                     break
                 dead = [r for r in dead if r not in values]
@@ -280,13 +286,7 @@ def _collect(procs, results, timeout: float) -> list:
             # A rank's failure makes its peers fail too (their collectives lose a partner); wait
             # briefly so we can name the rank that failed first rather than a bystander.
             time.sleep(0.5)
-            while True:
-                try:
-                    r, ok2, p2 = results.get_nowait()
-                except queue_lib.Empty:
-                    break
-                if not ok2:
-                    failures.setdefault(r, p2)
+            _drain(results, values, failures)
             break
         values[rank] = pickle.loads(payload)
         if deadline is None:
