@@ -1,4 +1,4 @@
-"""lmfs.parallel on gloo CPU processes: every strategy against single-process training.
+"""lmfs.parallel on gloo CPU processes (also on GPU machines): every strategy against single-process training.
 
 Starting processes dominates the run time (each imports torch), so each test launches once and
 its worker function, defined here at module level so that spawned processes can import it,
@@ -413,6 +413,23 @@ def test_bandwidth_benchmark_rows():
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_process_group():
+def _no_leftover_process_group(monkeypatch):
+    # These checks compare with CPU results and use CPU tensors: gloo even on a GPU machine
+    # (tests/test_parallel_gpu.py runs the strategies on NCCL).
+    monkeypatch.setenv("LMFS_DIST_BACKEND", "gloo")
     yield
     assert not dist.is_initialized()
+
+
+def test_data_parallel_benchmark_runs_and_zero3_halves_the_state(tmp_path):
+    from lmfs.parallel.train_bench import main
+
+    result = main(["--steps", "2", "--json", str(tmp_path / "dp.json")])
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert list(rows) == ["single", "lmfs-ddp", "torch-ddp", "lmfs-fsdp", "torch-fsdp"]
+    assert rows["single"]["gpus"] == 1 and rows["lmfs-ddp"]["gpus"] == 2
+    # n = 2: ZeRO-3 (ours and PyTorch's FSDP2) keeps half of DDP's parameters + gradients + Adam state
+    assert rows["lmfs-fsdp"]["state_vs_ddp"] == pytest.approx(0.5, abs=0.01)
+    assert rows["torch-fsdp"]["state_vs_ddp"] == pytest.approx(0.5, abs=0.01)
+    assert rows["lmfs-ddp"]["optimizer"] == pytest.approx(2 * rows["lmfs-ddp"]["params"], rel=0.01)
+    assert (tmp_path / "dp.json").exists()

@@ -6,6 +6,8 @@ Run one with ``python -m lmfs.bench NAME`` (see :mod:`lmfs.bench.__main__`):
 * ``train``: training throughput, MFU and memory against Hugging Face Llama
 * ``probes``: the device's measured copy bandwidth and matmul rate (:mod:`lmfs.bench.probes`)
 * ``kernels``, ``attention``: the Triton kernels of :mod:`lmfs.kernels` against PyTorch
+* ``collectives``, ``data-parallel``: collective bandwidth, and DDP/FSDP training against PyTorch's
+  (:mod:`lmfs.parallel.bench`, :mod:`lmfs.parallel.train_bench`)
 
 Tools: :mod:`lmfs.bench.timing` (warm-up, device events, medians; a profiler table) and
 :mod:`lmfs.bench.roofline` (the roofline and the tile/wave-quantisation model). Only the

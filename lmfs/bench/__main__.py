@@ -16,6 +16,8 @@ BENCHMARKS = {
     "probes": ("lmfs.bench.probes", "main", "copy bandwidth, strided reads, matmul rate per dtype"),
     "kernels": ("lmfs.kernels.bench", "main_kernels", "GeLU, softmax, RMSNorm GB/s vs PyTorch and torch.compile"),
     "attention": ("lmfs.kernels.bench", "main_attention", "FlashAttention TFLOP/s vs SDPA and naive attention"),
+    "collectives": ("lmfs.parallel.bench", "main", "all-reduce/all-gather/reduce-scatter bandwidth, 1 MB-1 GB"),
+    "data-parallel": ("lmfs.parallel.train_bench", "main", "DDP and FSDP tokens/s and memory vs PyTorch's"),
 }
 
 

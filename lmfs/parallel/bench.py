@@ -1,4 +1,4 @@
-"""Collective bandwidth benchmark: ``python -m lmfs.parallel.bench [--world-size 2] [--json]``.
+"""Collective bandwidth benchmark: ``python -m lmfs.bench collectives [--world-size 2] [--json out.json]``.
 
 For each collective and message size: a few warm-up calls, then timed calls (CUDA events on
 GPUs, wall clock on CPUs); each rank takes its median and the slowest rank's median counts, since
@@ -17,13 +17,11 @@ Sizes run from 1 MB to 1 GB on GPUs and from 64 KB to 16 MB on CPUs (gloo over l
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import sys
 
 import torch
 import torch.distributed as dist
 
+from lmfs.bench import save_json
 from lmfs.bench.timing import benchmark
 from lmfs.parallel import comm
 from lmfs.parallel.launch import device_for, run
@@ -87,22 +85,17 @@ def main(argv=None) -> list[dict]:
                         help="comma-separated collectives")
     parser.add_argument("--max-mb", type=float, default=None, help="largest message, in MB")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--json", default=None, help="also write the rows here as JSON")
     args = parser.parse_args(argv)
     on_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size
     sizes = GPU_SIZES if on_gpus else CPU_SIZES
     if args.max_mb is not None:
         sizes = [s for s in sizes if s <= args.max_mb * 2**20]
     ops = tuple(args.ops.split(","))
-    # With --json, stdout carries only the JSON: the launcher's banner goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-        rows = run(bandwidth_worker, args.world_size, ops, sizes, 5, args.iters, timeout=300)[0]
-    if args.json:
-        print(json.dumps({"world_size": args.world_size, "device": "cuda" if on_gpus else "cpu",
-                          "rows": rows}, indent=1))
-    else:
-        name = torch.cuda.get_device_name(0) if on_gpus else "CPU (gloo)"
-        print_table(rows, args.world_size, name)
+    rows = run(bandwidth_worker, args.world_size, ops, sizes, 5, args.iters, timeout=300)[0]
+    name = torch.cuda.get_device_name(0) if on_gpus else "CPU (gloo)"
+    print_table(rows, args.world_size, name)
+    save_json({"world_size": args.world_size, "device": name, "torch": torch.__version__, "rows": rows}, args.json)
     return rows
 
 

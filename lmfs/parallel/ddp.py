@@ -113,6 +113,7 @@ def memory_report(model: nn.Module, optimizer) -> dict[str, int]:
     def storage_bytes(tensors) -> int:
         seen = {}
         for t in tensors:
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): its local shard
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())

@@ -57,11 +57,17 @@ def free_port() -> int:
 
 
 def choose_backend(world_size: int, backend: str = "auto") -> str:
-    """``"nccl"`` when there are at least ``world_size`` GPUs (one process each), else ``"gloo"``."""
+    """``"nccl"`` when there are at least ``world_size`` GPUs (one process each), else ``"gloo"``.
+
+    ``"auto"`` first reads the environment variable ``LMFS_DIST_BACKEND`` (``gloo`` keeps CPU
+    processes even on a GPU machine, e.g. for checks that compare with CPU results).
+    """
+    if backend == "auto":
+        backend = os.environ.get("LMFS_DIST_BACKEND", "auto") or "auto"
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend={backend!r}: use 'auto', 'nccl' or 'gloo'")
+        raise ValueError(f"backend={backend!r} (argument or LMFS_DIST_BACKEND): use 'auto', 'nccl' or 'gloo'")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend='nccl' needs one GPU per rank: {world_size} ranks but "
                          f"{torch.cuda.device_count()} GPUs visible; use backend='gloo' or fewer ranks")

@@ -1,0 +1,52 @@
+"""lmfs.parallel on NCCL, one process per GPU (needs 2 GPUs; skipped elsewhere).
+
+The same strategies as tests/test_parallel.py, now on GPUs: they must still reproduce
+single-GPU training, and the throughput benchmark must run and shard memory as ZeRO says.
+"""
+
+from functools import partial
+
+import pytest
+import torch
+
+from lmfs.parallel import run, run_each
+from lmfs.parallel.ddp import demo_batches, demo_config, train_ddp, train_single
+from lmfs.parallel.tensor import train_tensor_parallel
+from lmfs.parallel.zero import train_zero
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, one process each)")]
+
+ADAMW = dict(lr=1e-3, eps=1e-6)
+
+
+def test_strategies_on_nccl_match_one_gpu(monkeypatch):
+    monkeypatch.delenv("LMFS_DIST_BACKEND", raising=False)
+    config, batches = demo_config(n_kv_heads=2), demo_batches(3, 8, 16, 64)
+    ref = train_single(config, batches, torch.optim.AdamW, ADAMW, device="cuda:0")
+    common = dict(config=config, batches=batches, optimizer_class=torch.optim.AdamW, optimizer_kwargs=ADAMW)
+    jobs = {"naive": partial(train_ddp, mode="naive", **common),
+            "bucketed": partial(train_ddp, mode="bucketed", bucket_size_mb=0.02, **common),
+            "zero1": partial(train_zero, stage=1, bucket_size_mb=0.02, **common),
+            "zero2": partial(train_zero, stage=2, bucket_size_mb=0.02, **common),
+            "zero3": partial(train_zero, stage=3, **common),
+            "tensor": partial(train_tensor_parallel, sequence_parallel=True, **common)}
+    out = run_each(jobs, 2, backend="nccl", timeout=300)
+    for name, per_rank in out.items():
+        state = per_rank[0]["state"]
+        for key, want in ref["state"].items():
+            err = (state[key] - want).abs().max().item()
+            assert err <= 1e-4, f"{name}: {key} differs from one-GPU training by {err:.2e}"
+
+
+def test_data_parallel_benchmark_on_gpus(monkeypatch):
+    from lmfs.parallel.train_bench import main
+
+    monkeypatch.delenv("LMFS_DIST_BACKEND", raising=False)
+    result = main(["--steps", "3", "--batch-size", "2"])
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"single", "lmfs-ddp", "torch-ddp", "lmfs-fsdp", "torch-fsdp"}
+    # ZeRO-3 keeps half of DDP's parameters, gradients and optimizer state on each of 2 ranks.
+    assert rows["lmfs-fsdp"]["state_vs_ddp"] == pytest.approx(0.5, abs=0.02)
+    assert rows["torch-fsdp"]["state_vs_ddp"] == pytest.approx(0.5, abs=0.02)
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
