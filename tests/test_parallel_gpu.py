@@ -11,6 +11,9 @@ import torch
 
 from lmfs.parallel import run, run_each
 from lmfs.parallel.ddp import demo_batches, demo_config, train_ddp, train_single
+from lmfs.parallel.expert import moe_batches, train_expert_parallel, train_moe_single
+from lmfs.parallel.pipeline import train_pipeline
+from lmfs.parallel.ring_attention import check_ring_attention, full_attention, full_attention_inputs
 from lmfs.parallel.tensor import train_tensor_parallel
 from lmfs.parallel.zero import train_zero
 
@@ -30,10 +33,11 @@ def test_strategies_on_nccl_match_one_gpu(monkeypatch):
             "zero1": partial(train_zero, stage=1, bucket_size_mb=0.02, **common),
             "zero2": partial(train_zero, stage=2, bucket_size_mb=0.02, **common),
             "zero3": partial(train_zero, stage=3, **common),
-            "tensor": partial(train_tensor_parallel, sequence_parallel=True, **common)}
+            "tensor": partial(train_tensor_parallel, sequence_parallel=True, **common),
+            "pipeline": partial(train_pipeline, schedule="1f1b", micro_batches=4, **common)}
     out = run_each(jobs, 2, backend="nccl", timeout=300)
     for name, per_rank in out.items():
-        state = per_rank[0]["state"]
+        state = {k: v for r in per_rank for k, v in (r["state"] or {}).items()}  # pipeline: per stage
         for key, want in ref["state"].items():
             err = (state[key] - want).abs().max().item()
             assert err <= 1e-4, f"{name}: {key} differs from one-GPU training by {err:.2e}"
@@ -50,3 +54,23 @@ def test_data_parallel_benchmark_on_gpus(monkeypatch):
     assert rows["lmfs-fsdp"]["state_vs_ddp"] == pytest.approx(0.5, abs=0.02)
     assert rows["torch-fsdp"]["state_vs_ddp"] == pytest.approx(0.5, abs=0.02)
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
+
+
+def expert_and_ring_worker(rank, world_size, batches):
+    return {"moe": train_expert_parallel(rank, world_size, batches, 16, 32, 8, 2, torch.optim.AdamW, ADAMW),
+            "ring": check_ring_attention(rank, world_size, batch=2, heads=2, seq_len=32, head_dim=8,
+                                         causal=True)}
+
+
+def test_expert_parallel_and_ring_attention_on_nccl(monkeypatch):
+    monkeypatch.delenv("LMFS_DIST_BACKEND", raising=False)
+    batches = moe_batches(3, 32, 16)
+    results = run(expert_and_ring_worker, 2, batches, backend="nccl", timeout=300)
+    ref = train_moe_single(batches, 16, 32, 8, 2, torch.optim.AdamW, ADAMW)
+    state = {k: v for r in results for k, v in r["moe"]["state"].items()}
+    for key, want in ref["state"].items():
+        assert (state[key] - want).abs().max().item() <= 1e-4, key
+    want = full_attention(*full_attention_inputs(2, 2, 32, 8), causal=True)
+    for key in ("out", "dq", "dk", "dv"):
+        got = torch.cat([r["ring"][key] for r in results], dim=2)
+        torch.testing.assert_close(got, want[key], atol=1e-4, rtol=0, msg=key)

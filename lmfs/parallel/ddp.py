@@ -62,11 +62,13 @@ def shard_batch(batch, rank: int, world_size: int):
 
 
 def build_model(config: TransformerConfig, seed: int, device) -> TransformerLM:
-    """``TransformerLM(config)`` initialised from ``seed``; on a GPU, peak-memory tracking restarts."""
+    """``TransformerLM(config)`` initialised from ``seed``; on a GPU, peak-memory tracking restarts
+    (from the memory in use, the model included)."""
+    torch.manual_seed(seed)
+    model = TransformerLM(config).to(device)
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(seed)
-    return TransformerLM(config).to(device)
+    return model
 
 
 def train_single(config: TransformerConfig, batches, optimizer_class=torch.optim.AdamW,
@@ -163,11 +165,17 @@ def _sync_used(used: torch.Tensor, group) -> list[bool]:
 
 
 class NaiveDDP(nn.Module):
-    """Wrap ``module``; after ``backward()`` call :meth:`finish_gradient_sync`, then step."""
+    """Wrap ``module``; after ``backward()`` call :meth:`finish_gradient_sync`, then step.
 
-    def __init__(self, module: nn.Module, group=None):
+    ``find_unused_parameters=True`` handles parameters that get no gradient on some ranks (an
+    extra all-reduce of flags, and the host waits for its result); by default every trainable
+    parameter is assumed used, and a missing gradient counts as zeros.
+    """
+
+    def __init__(self, module: nn.Module, group=None, find_unused_parameters: bool = False):
         super().__init__()
         self.module, self.group = module, group
+        self.find_unused_parameters = find_unused_parameters
         broadcast_parameters(module, group=group)
         self.params = _trainable(module)
 
@@ -178,9 +186,11 @@ class NaiveDDP(nn.Module):
     def finish_gradient_sync(self):
         """Average every gradient over the ranks: one blocking all-reduce per parameter."""
         n = dist.get_world_size(self.group)
-        device = self.params[0].device
-        used = torch.tensor([float(p.grad is not None) for p in self.params], device=device)
-        for p, anyone in zip(self.params, _sync_used(used, self.group)):
+        anyone_used = [True] * len(self.params)
+        if self.find_unused_parameters:
+            used = torch.tensor([float(p.grad is not None) for p in self.params], device=self.params[0].device)
+            anyone_used = _sync_used(used, self.group)
+        for p, anyone in zip(self.params, anyone_used):
             if not anyone:
                 continue
             if p.grad is None:
@@ -288,12 +298,15 @@ class DDP(nn.Module):
 
     Usage per step: ``loss = ddp(x, y)[1]; loss.backward(); ddp.finish_gradient_sync();
     opt.step(); opt.zero_grad()``. After the sync each ``p.grad`` is a view into its bucket's
-    averaged flat buffer (no second copy).
+    averaged flat buffer (no second copy). ``find_unused_parameters`` as in :class:`NaiveDDP`:
+    off, the step never waits on the host (a parameter without a gradient contributes zeros).
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25, group=None):
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25, group=None,
+                 find_unused_parameters: bool = False):
         super().__init__()
         self.module, self.group = module, group
+        self.find_unused_parameters = find_unused_parameters
         broadcast_parameters(module, group=group)
         self.params = _trainable(module)
         self.n = dist.get_world_size(group)
@@ -311,10 +324,12 @@ class DDP(nn.Module):
     def finish_gradient_sync(self):
         """Wait for the bucket all-reduces and hand the averaged gradients back to the parameters."""
         self.buckets.finish()
-        device = self.params[0].device
         pairs = [(b, i) for b in self.buckets.buckets for i in range(len(b.params))]
-        used = torch.tensor([float(i in b.seen) for b, i in pairs], device=device)
-        for (b, i), anyone in zip(pairs, _sync_used(used, self.group)):
+        anyone_used = [True] * len(pairs)
+        if self.find_unused_parameters:
+            used = torch.tensor([float(i in b.seen) for b, i in pairs], device=self.params[0].device)
+            anyone_used = _sync_used(used, self.group)
+        for (b, i), anyone in zip(pairs, anyone_used):
             b.params[i].grad = b.grad_view(i) if anyone else None
         self.buckets.reset()  # the parameters' grad views keep the buffers alive
 

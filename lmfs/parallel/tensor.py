@@ -248,6 +248,7 @@ class TensorParallelMLP(nn.Module):
         self.up.load_full([m.weight for m in inputs], [m.bias for m in inputs] if has_bias else None)
         self.down = RowParallelLinear(d_ff, d_model, has_bias, group, sequence_parallel)
         self.down.load_full(mlp.down.weight, mlp.down.bias)
+        self.to(mlp.up.weight.device)  # the shards live where the full layer did (a GPU under NCCL)
 
     def forward(self, x):
         h = self.up(x)
@@ -297,6 +298,7 @@ class TensorParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(o.weight.shape[1], o.weight.shape[0], has_bias, group,
                                         sequence_parallel)
         self.o_proj.load_full(o.weight, o.bias)
+        self.to(o.weight.device)  # the shards live where the full layer did (a GPU under NCCL)
 
     # Everything after the projections is the single-GPU code, on this rank's heads (it reads
     # n_heads, n_kv_heads, q_norm, rope, window, softcap and impl from self).

@@ -1,6 +1,6 @@
 """Data-parallel training throughput and memory: lmfs's DDP and FSDP against PyTorch's.
 
-    python -m lmfs.bench data-parallel [--world-size 2] [--batch-size 8] [--steps 20] [--json out.json]
+    python -m lmfs.bench data-parallel [--world-size 2] [--batch-size 16] [--steps 20] [--json out.json]
 
 On ``n`` GPUs (NCCL, one process each) every strategy trains the GPT-2-small-shaped model of
 :mod:`lmfs.bench.train` (134M parameters, context 1024, vocabulary 32,000) with the same local
@@ -18,7 +18,8 @@ torch-fsdp     PyTorch's FSDP2 ``fully_shard`` per block and at the root, bf16 p
 Every strategy steps ``torch.optim.AdamW`` (fused on GPUs) under bf16 autocast, eagerly (not
 compiled: a compiled backward hands all gradients over at its end, which would hide how well a
 DDP overlaps its communication). Each rank times its steps with CUDA events after warm-up; the
-slowest rank's median counts. Memory is what :func:`lmfs.parallel.ddp.memory_report` finds on
+slowest rank's median counts. "host ms" is the time Python takes to issue one step (near the
+step time: the step is bound by the host, not the GPU). Memory is what :func:`lmfs.parallel.ddp.memory_report` finds on
 rank 0 after a step, before the gradients are dropped: parameters, gradients and optimizer state
 (sharded ones counted by their local shard), and the allocator's peak during that step.
 
@@ -30,12 +31,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
 from lmfs.bench import save_json
-from lmfs.bench.timing import benchmark
+from lmfs.bench.timing import benchmark, profile_table
 from lmfs.parallel.ddp import DDP, build_model, memory_report
 from lmfs.parallel.launch import device_for, run
 from lmfs.parallel.zero import FullyShardedModel
@@ -70,7 +72,8 @@ def _wrap(strategy: str, model: torch.nn.Module, device: torch.device, bucket_si
     raise ValueError(f"unknown strategy {strategy!r}: use {', '.join(STRATEGIES)}")
 
 
-def _measure(strategy: str, config, x, y, device, steps: int, warmup: int, bucket_size_mb: float) -> dict:
+def _measure(strategy: str, config, x, y, device, steps: int, warmup: int, bucket_size_mb: float,
+             profile: bool = False) -> dict:
     """Time ``steps`` training steps of one strategy on this rank; its memory after one more."""
     cuda = device.type == "cuda"
     model = build_model(config, seed=0, device=device)
@@ -91,6 +94,19 @@ def _measure(strategy: str, config, x, y, device, steps: int, warmup: int, bucke
         opt.zero_grad(set_to_none=True)
 
     timing = benchmark(step, warmup=warmup, repeats=steps, device=device)
+    # Host time to issue one step (no synchronisation): close to the step time means the
+    # step is bound by Python and kernel launches, not by the GPU.
+    host = []
+    for _ in range(3):
+        start = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - start)
+        if cuda:
+            torch.cuda.synchronize(device)
+    kernels = None
+    if profile:  # every rank runs the profiled steps (their collectives pair up); rank 0 prints
+        kernels = profile_table(step, warmup=1, repeats=3, row_limit=12)
+        kernels = kernels if dist.get_rank() == 0 else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     forward_backward()
@@ -99,11 +115,13 @@ def _measure(strategy: str, config, x, y, device, steps: int, warmup: int, bucke
     del forward, params, sync, opt, model
     if cuda:
         torch.cuda.empty_cache()
-    return {"step_s": timing.median, "spread": timing.spread, "memory": memory}
+    if kernels is not None:
+        print(f"\n{strategy}, rank 0: {kernels.attrs['where']} per step\n{kernels.to_string()}", flush=True)
+    return {"step_s": timing.median, "spread": timing.spread, "host_s": statistics.median(host), "memory": memory}
 
 
 def throughput_worker(rank: int, world_size: int, strategies=STRATEGIES, batch_size: int = 8,
-                      steps: int = 20, warmup: int = 5, bucket_size_mb: float = 25) -> dict:
+                      steps: int = 20, warmup: int = 5, bucket_size_mb: float = 25, profile=()) -> dict:
     """Rank function: every strategy in turn on this rank's own random batch."""
     from lmfs.bench.train import gpt2_small, tiny
 
@@ -116,10 +134,12 @@ def throughput_worker(rank: int, world_size: int, strategies=STRATEGIES, batch_s
     for strategy in strategies:
         if strategy == "single":  # the one-device baseline: rank 0 alone, the others wait
             if rank == 0:
-                out[strategy] = _measure(strategy, config, x, y, device, steps, warmup, bucket_size_mb)
+                out[strategy] = _measure(strategy, config, x, y, device, steps, warmup, bucket_size_mb,
+                                         strategy in profile)
             dist.barrier()
             continue
-        out[strategy] = _measure(strategy, config, x, y, device, steps, warmup, bucket_size_mb)
+        out[strategy] = _measure(strategy, config, x, y, device, steps, warmup, bucket_size_mb,
+                                 strategy in profile)
     return out
 
 
@@ -131,6 +151,7 @@ def summarise(per_rank: list[dict], world_size: int, batch_size: int, context: i
         n = 1 if strategy == "single" else world_size
         step = max(r["step_s"] for r in results)
         rows.append({"strategy": strategy, "gpus": n, "step_ms": step * 1e3,
+                     "host_ms": max(r["host_s"] for r in results) * 1e3,
                      "spread": statistics.median(r["spread"] for r in results),
                      "tokens_per_s": n * batch_size * context / step, **per_rank[0][strategy]["memory"]})
     base = {r["strategy"]: r for r in rows}
@@ -148,14 +169,14 @@ def summarise(per_rank: list[dict], world_size: int, batch_size: int, context: i
 def print_table(rows: list[dict], title: str) -> None:
     mib = 2**20
     print(f"\n{title}")
-    head = (f"{'strategy':<11}{'GPUs':>5}{'step ms':>9}{'IQR':>6}{'tokens/s':>12}{'x single':>9}{'x torch':>8}"
+    head = (f"{'strategy':<11}{'GPUs':>5}{'step ms':>9}{'IQR':>6}{'host ms':>8}{'tokens/s':>12}{'x single':>9}{'x torch':>8}"
             f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'state/DDP':>10}{'peak MiB':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
         def opt(key, fmt):
             return format(r[key], fmt) if key in r else "-"
-        print(f"{r['strategy']:<11}{r['gpus']:>5}{r['step_ms']:>9.1f}{r['spread']:>6.0%}{r['tokens_per_s']:>12,.0f}"
+        print(f"{r['strategy']:<11}{r['gpus']:>5}{r['step_ms']:>9.1f}{r['spread']:>6.0%}{r['host_ms']:>8.1f}{r['tokens_per_s']:>12,.0f}"
               f"{opt('speedup_vs_single', '.2f'):>9}{opt('vs_torch', '.2f'):>8}{r['params'] / mib:>11.0f}"
               f"{r['grads'] / mib:>10.0f}{r['optimizer'] / mib:>10.0f}{opt('state_vs_ddp', '.2f'):>10}"
               f"{r['peak_allocated'] / mib if 'peak_allocated' in r else float('nan'):>10.0f}")
@@ -164,11 +185,13 @@ def print_table(rows: list[dict], title: str) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m lmfs.bench data-parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per GPU (default 8; 2 on CPU)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per GPU (default 16, as lmfs.bench.train; 2 on CPU)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, from: "
                         + ", ".join(STRATEGIES))
     parser.add_argument("--bucket-mb", type=float, default=25)
+    parser.add_argument("--profile", default="", help="comma-separated strategies whose kernels rank 0 "
+                        "prints (torch.profiler)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     strategies = tuple(s for s in args.strategies.split(",") if s)
@@ -176,12 +199,12 @@ def main(argv=None) -> dict:
         if s not in STRATEGIES:
             parser.error(f"unknown strategy {s!r}: use {', '.join(STRATEGIES)}")
     on_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size
-    batch = args.batch_size or (8 if on_gpus else 2)
+    batch = args.batch_size or (16 if on_gpus else 2)
     steps, warmup = (args.steps, 5) if on_gpus else (min(args.steps, 3), 1)
     if not on_gpus:
         print(f"fewer than {args.world_size} GPUs: a tiny model on CPU processes (gloo), to exercise the code")
     per_rank = run(throughput_worker, args.world_size, strategies, batch, steps, warmup, args.bucket_mb,
-                   timeout=900)
+                   tuple(args.profile.split(",")), timeout=900)
     from lmfs.bench.train import gpt2_small, tiny
 
     config = gpt2_small() if on_gpus else tiny()
