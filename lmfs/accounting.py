@@ -162,6 +162,14 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
     ``40d + 16f + 4H + 8``. The reference attention path saves no logsumexp but the softmax,
     ``4·H·T`` per token, plus its bf16 copy ``a·H·T`` under autocast: the ``T²`` memory that
     FlashAttention avoids. RoPE adds four ``(T, head_dim)`` cos/sin tables per layer.
+
+    With ``config.fused_projections`` (the default), autocast runs q/k/v, and a gated MLP's gate
+    and up, as one matmul each (:func:`lmfs.nn.layers.project`): one cast of the input instead of
+    three (two), ``a·d`` each. The q/k/v output is then one tensor, and q, k, v are views of it;
+    a view kept for the backward pass keeps all of it, ``a·(H + 2·H_kv)·d_head``. With RoPE (which
+    makes new q and k) and MHA (v not repeated for GQA), v is such a view: attention keeps ``a·d``
+    (the cast) ``+ 2·a·d`` (q, k) ``+ 3·a·d`` (the q/k/v output), as much as unfused, and a fused
+    SwiGLU block keeps ``32d + 8f + 4H + 8`` under autocast.
     """
     c = config
     problems = _memory_model_problems(c)
@@ -177,13 +185,22 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
     hidden = {"relu": 1, "gelu": 2}.get(c.ffn, 4)  # relu saves only its output
     per_token = 2 * _norm_bytes(c)                                   # the two norms
     # Autocast casts a matmul's fp32 input anew for each matmul; in fp32 they share one tensor.
-    per_token += (3 if autocast else 1) * a * d                      # q/k/v projection inputs
-    per_token += 3 * a * d                                           # q, k, v
+    fused = autocast and c.fused_projections                         # one matmul, one cast
+    if fused:
+        # q, k and v as attention keeps them: a new tensor where RoPE rotated it (q, k) or GQA
+        # repeated its heads (k, v); otherwise a view that keeps the whole q/k/v output alive.
+        rope, gqa = c.positions == "rope", c.kv_heads != c.n_heads
+        new = rope + (rope or gqa) + gqa
+        qkv_output = a * (H + 2 * c.kv_heads) * c.head_dim if new < 3 else 0
+        per_token += a * d + new * a * d + qkv_output                # input; q, k, v
+    else:
+        per_token += (3 if autocast else 1) * a * d                  # q/k/v projection inputs
+        per_token += 3 * a * d                                       # q, k, v
     if c.attn_impl == "sdpa":
         per_token += a * d + 4 * H                                   # output, logsumexp
     else:
         per_token += a * d + (4 + (a if autocast else 0)) * H * seq_len  # output, softmax
-    per_token += (2 if gated and autocast else 1) * a * d            # MLP inputs
+    per_token += (2 if gated and autocast and not fused else 1) * a * d  # MLP inputs
     per_token += hidden * a * f
     rope_tables = 4 * seq_len * c.head_dim * a if c.positions == "rope" else 0
     return batch_size * seq_len * per_token + rope_tables

@@ -149,18 +149,26 @@ CONFIGS: dict[str, dict[str, dict]] = {
             attn_profile=dict(B=1, H=2, T=64, D=32),
             compile=False,                 # torch.compile costs ~20 s on a CPU: GPU only
             attn_seq_lens=(32, 64), attn_head_dims=(32,), attn_tokens=64, attn_heads=2,
+            attn_backwards=("split", "atomic"),  # backward schemes the benchmark times (both, to exercise them)
+            attn_autotune_candidates=None,  # the interpreter does not autotune
         ),
         "full": dict(
             check_shape=(1000, 3000),
             attn_check=dict(B=2, H=4),
-            attn_check_head_dims={"float32": 32, "bfloat16": 64},
+            # bf16 checks at the benchmark's head dim: each (head dim, dtype, causal) compiles every
+            # autotuning candidate (about a second each), so the checks and the benchmark share them
+            attn_check_head_dims={"float32": 32, "bfloat16": 128},
             attn_check_lens=(1000,),       # the benchmark below also checks T = 1024, 4096, 8192
             torch_fa_block=64,
             profile_shape=(8192, 4096),
-            attn_profile=dict(B=4, H=16, T=4096, D=128),
+            attn_profile=dict(B=4, H=16, T=4096, D=128),  # the benchmark's T = 4096 shape: tuned already
             compile=True,
-            # a few lengths: every new (T, head dim, causal) autotunes the kernels (~3 s each)
+            # a few lengths: each new one re-times the candidates (~1 s), the kernels are compiled once
             attn_seq_lens=(1024, 4096, 8192), attn_head_dims=(128,), attn_tokens=16384, attn_heads=16,
+            attn_backwards=("split",),     # the default backward only; `python -m lmfs.bench attention` times both
+            # the first 3 autotuning candidates per kernel (of up to 7): 18 compiled attention kernels
+            # instead of 30 for D = 128, causal and not, about 15 s less of the two-minute budget
+            attn_autotune_candidates=3,
         ),
     },
     "07": {

@@ -133,7 +133,8 @@ def test_bench_command_lists_and_rejects(capsys):
     assert bench_main([]) == 0
     assert "attention" in capsys.readouterr().out
     assert bench_main(["nonsense"]) == 2
-    assert set(BENCHMARKS) == {"tokenizer", "train", "probes", "kernels", "attention"}
+    assert set(BENCHMARKS) == {"tokenizer", "train", "probes", "kernels", "attention", "collectives",
+                               "data-parallel"}
     with pytest.raises(SystemExit) as exit_info:
         bench_main(["probes", "--help"])
     assert exit_info.value.code == 0
@@ -184,3 +185,45 @@ def test_measured_rates_are_below_the_datasheet():
     assert 0.2 * peaks["bf16"] < rate < peaks["bf16"]
     assert strided_copy_bandwidth(16) < 0.5 * strided_copy_bandwidth(1)  # uncoalesced reads waste sectors
     assert math.isfinite(rate)
+
+
+# ----------------------------------------------------------------------------------------------
+# The training benchmark's variants
+
+
+def test_train_variants_parse():
+    from lmfs.bench.train import ABLATION, Variant, parse_variant, parse_variants
+
+    assert parse_variant("lmfs") == Variant("lmfs")
+    assert parse_variant("baseline") == Variant("baseline", fused_projections=False, fused_loss=False)
+    assert parse_variant("baseline+proj") == Variant("baseline+proj", fused_loss=False)
+    assert parse_variant("lmfs-loss+cudnn") == Variant("lmfs-loss+cudnn", fused_loss=False, sdpa_backend="cudnn")
+    hf = parse_variant("hf-eager")
+    assert hf.model == "hf" and not hf.compiled and hf.sdpa_backend == "auto"
+    assert parse_variant("hf+flash").sdpa_backend == "flash"
+    assert [v.name for v in parse_variants("ablation")] == ABLATION.split(",")
+    for bad in ["gpt", "hf+proj", "lmfs+fast", "lmfs proj"]:
+        with pytest.raises(ValueError, match="variant"):
+            parse_variant(bad)
+    with pytest.raises(ValueError, match="repeat"):
+        parse_variants("lmfs,hf,lmfs")
+
+
+def test_train_benchmark_variants_on_cpu(tmp_path, capsys):
+    import json
+
+    from lmfs.bench.train import main
+
+    path = tmp_path / "train.json"
+    result = main(["--steps", "2", "--device", "cpu", "--variants", "baseline,lmfs-proj,lmfs+flash,hf,hf-eager",
+                   "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "real numbers need a CUDA GPU" in out and "x base" in out
+    saved = json.loads(path.read_text())
+    assert saved["variants"] == ["baseline", "lmfs-proj", "lmfs+flash", "hf", "hf-eager"]
+    for name in saved["variants"]:
+        assert saved[name]["tokens_per_s"] > 0 and not saved[name]["compiled"]  # never compiled on a CPU
+    assert saved["hf"]["vs_hf"] == 1 and saved["baseline"]["vs_baseline"] == 1
+    assert "speedup_vs_hf" not in result  # no plain "lmfs" variant ran
+    result = main(["--steps", "1", "--device", "cpu", "--no-hf"])
+    assert result["variants"] == ["lmfs"] and "hf" not in result

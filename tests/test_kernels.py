@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from lmfs.kernels import (HEAD_DIMS, INTERPRET, cuda_toolchain_problem, flash_attention, flash_attention_forward,
                           flash_attention_torch, gelu, gelu_cuda, gelu_torch, online_softmax, rms_norm, softmax)
+from lmfs.kernels.flash_attention import BACKWARDS, DEFAULT_BACKWARD, autotune_choices
+from lmfs.kernels.rmsnorm import backward_choice
 from lmfs.nn.attention import attention_reference, causal_mask
 from lmfs.nn.layers import RMSNorm
 
@@ -91,13 +93,28 @@ def test_softmax_rejects_rows_too_long_for_one_program():
         softmax(torch.zeros(1, 40000, device=DEVICE))
 
 
-@pytest.mark.parametrize("shape", [(6, 5, 96), (3, 1, 50)])  # 30 rows over 4 programs; 3 rows
+# 30 rows: more tiles than programs; 3 rows: fewer; 37 × 300: a partial last tile and a row
+# length that is no power of two.
+@pytest.mark.parametrize("shape", [(6, 5, 96), (3, 1, 50), (37, 300)])
 def test_rms_norm_forward_backward(shape):
     x, w = randn(*shape), 1 + 0.1 * randn(shape[-1], seed=1)
     out, grads, dy = forward_backward(lambda a, b: rms_norm(a, b, 1e-5), x, w)
     ref = lambda a, b: F.rms_norm(a, (shape[-1],), b, eps=1e-5)  # noqa: E731
     ref_out, ref_grads, _ = forward_backward(ref, x, w, grad_out=dy)
     assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_rms_norm_16_bit_backward_small(dtype):
+    """16-bit x, w and dy: float32 statistics and partial sums, results rounded once to 16 bits."""
+    x, w = randn(9, 72, dtype=dtype), (1 + 0.1 * randn(72, seed=1)).to(dtype)
+    out, grads, dy = forward_backward(lambda a, b: rms_norm(a, b, 1e-5), x, w)
+    ref = lambda a, b: F.rms_norm(a, (72,), b, eps=1e-5)  # noqa: E731
+    ref_out, ref_grads, _ = forward_backward(ref, x.float(), w.float(), grad_out=dy.float())
+    for a, b in zip([out, *grads], [ref_out, *ref_grads]):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=3e-2)
+    assert backward_choice()  # the (fixed or autotuned) launch configuration, as a line of text
 
 
 def test_rms_norm_matches_lmfs_module():
@@ -150,24 +167,58 @@ def sdpa(q, k, v, causal):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [16, 32])
-def test_flash_attention_matches_sdpa(head_dim, causal):
+def test_flash_attention_matches_sdpa(head_dim, causal, backward):
     # T = 48 is not a multiple of the interpreter's blocks (64 query rows, 32 keys): the online
     # softmax runs over a full and a partial key block, through the unmasked and the masked loop.
     q, k, v = (randn(1, 2, 48, head_dim, seed=s) for s in range(3))
-    out, grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal), q, k, v)
+    out, grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal, backward=backward), q, k, v)
     ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, causal), q, k, v, grad_out=do)
     assert_all_close([out, *grads], [ref_out, *ref_grads])
 
 
+# The interpreter's blocks: forward and dQ 64 query rows × 32 keys, dK/dV and atomic 32 × 64.
+# T = 1 and 17: shorter than any block; 32, 64: exactly one or two blocks; 33, 65: one row past
+# a block (a partial block of one row); 100: several query blocks, causal skipping.
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("T", [1, 17, 100])  # 100: several query blocks, causal skipping
-def test_flash_attention_sequence_lengths(T, causal):
+@pytest.mark.parametrize("T", [1, 17, 32, 33, 64, 65, 100])
+def test_flash_attention_sequence_lengths(T, causal, backward):
     q, k, v = (randn(2, 1, T, 16, seed=s) for s in range(3))
-    out, grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal), q, k, v)
+    out, grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal, backward=backward), q, k, v)
     ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, causal), q, k, v, grad_out=do)
     assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+
+def test_flash_attention_backward_schemes_agree():
+    q, k, v = (randn(1, 2, 70, 32, seed=s) for s in range(3))
+    results = [forward_backward(lambda *t, b=b: flash_attention(*t, causal=True, backward=b), q, k, v)[:2]
+               for b in BACKWARDS]
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_a, out_b, atol=0, rtol=0)  # one forward kernel for both
+    assert_all_close(grads_a, grads_b, atol=1e-6, rtol=1e-5)
+    assert DEFAULT_BACKWARD in BACKWARDS
+    assert set(autotune_choices()) == {"fwd", "dkdv", "dq", "atomic"}
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_negative_and_zero_scale(scale, causal):
+    # The kernels take a scale ≥ 0; a negative one runs as softmax(Q·(−K)ᵀ·|scale|). (PyTorch's
+    # CPU SDPA returns NaN for a causal mask with such scales, so the reference is written out.)
+    q, k, v = (randn(1, 2, 40, 16, seed=s) for s in range(3))
+    mask = causal_mask(40, device=DEVICE) if causal else 0.0
+
+    def reference(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * scale + mask, dim=-1) @ v
+
+    for backward in BACKWARDS:
+        out, grads, do = forward_backward(
+            lambda *t: flash_attention(*t, causal=causal, sm_scale=scale, backward=backward), q, k, v)
+        ref_out, ref_grads, _ = forward_backward(reference, q, k, v, grad_out=do)
+        assert_all_close([out, *grads], [ref_out, *ref_grads])
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -194,6 +245,19 @@ def test_flash_attention_16_bit_forward_small():
     torch.testing.assert_close(flash_attention(q, k, v, causal=True).float(), expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_flash_attention_16_bit_backward_small(dtype, backward):
+    """Interpreter: 16-bit inputs are upcast on load; gradients come back in the inputs' dtype."""
+    q, k, v = (randn(1, 2, 40, 32, seed=s, dtype=dtype) for s in range(3))
+    out, grads, do = forward_backward(lambda *t: flash_attention(*t, causal=True, backward=backward), q, k, v)
+    ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, True), q.float(), k.float(), v.float(),
+                                             grad_out=do.float())
+    for a, b in zip([out, *grads], [ref_out, *ref_grads]):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2)
+
+
 def test_flash_attention_errors_name_the_fix():
     q = torch.zeros(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim 24 is not supported.*16, 32, 64, 128"):
@@ -207,7 +271,67 @@ def test_flash_attention_errors_name_the_fix():
         flash_attention(q.double(), q.double(), q.double())
     with pytest.raises(ValueError, match="move all inputs to one device"):
         flash_attention(q, torch.zeros(1, 2, 8, 16, device="meta"), q)
+    with pytest.raises(ValueError, match="backward must be one of 'split', 'atomic'"):
+        flash_attention(q, q, q, backward="fast")
     assert HEAD_DIMS == (16, 32, 64, 128)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a GPU runs the real autotuner")
+def test_autotuned_launches_under_the_interpreter(monkeypatch):
+    """The GPU's code path (pruning, grids that depend on the chosen blocks, the atomic kernel's
+    zeroed dQ between trials, RMSNorm's program count) run here with a stand-in timer."""
+    import importlib
+
+    import triton
+
+    fa, rn = (importlib.import_module(f"lmfs.kernels.{m}") for m in ("flash_attention", "rmsnorm"))
+    timings = iter(range(1000, 0, -1))  # each candidate "faster" than the one before: the last one wins
+
+    def fake_bench(kernel_call, quantiles):
+        kernel_call()
+        t = float(next(timings))
+        return [t, t, t]
+
+    def autotuned(fn, kernel, table, reset_to_zero=None):
+        rows = sorted({row for group in table.values() for row in group})
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in rows]
+        return triton.autotune(configs, key=["T_BUCKET", "ROWS_BUCKET", "HEAD_DIM", "CAUSAL"],
+                               prune_configs_by={"early_config_prune": fa._pruner(kernel, table)},
+                               reset_to_zero=reset_to_zero, do_bench=fake_bench)(fn)
+
+    for name, fn, kernel, table, reset in [("_fwd", fa._attn_fwd, "fwd", fa._FWD_CONFIGS, None),
+                                           ("_dkdv", fa._attn_bwd_dkdv, "dkdv", fa._DKDV_CONFIGS, None),
+                                           ("_dq", fa._attn_bwd_dq, "dq", fa._DQ_CONFIGS, None),
+                                           ("_atomic", fa._attn_bwd_atomic, "atomic", fa._DKDV_CONFIGS, ["DQ"])]:
+        monkeypatch.setattr(fa, name, autotuned(fn, kernel, table, reset))
+    for name in ("_FWD_BLOCKS", "_DQ_BLOCKS", "_DKDV_BLOCKS", "_ATOMIC_BLOCKS"):
+        monkeypatch.setattr(fa, name, {})
+    monkeypatch.setattr(fa, "AUTOTUNE_CANDIDATES", 2)
+    for backward in BACKWARDS:
+        q, k, v = (randn(1, 2, 70, 32, seed=s, dtype=torch.bfloat16) for s in range(3))
+        fn = lambda *t: fa.flash_attention(*t, causal=True, backward=backward)  # noqa: E731
+        out, grads, do = forward_backward(fn, q, k, v)
+        ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, True), q.float(), k.float(), v.float(),
+                                                 grad_out=do.float())
+        for a, b in zip([out, *grads], [ref_out, *ref_grads]):
+            torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2)
+        chosen = {name: getattr(getattr(fa, name), "best_config") for name in ("_fwd", "_dkdv", "_dq", "_atomic")
+                  if hasattr(getattr(fa, name), "best_config")}
+        assert chosen["_fwd"].kwargs == {"BLOCK_M": 64, "BLOCK_N": 64}  # the 2nd of the 2 candidates for D = 32
+
+    monkeypatch.setattr(rn, "_bwd", triton.autotune(
+        [triton.Config({"ROWS": r, "PROGRAMS_PER_SM": p, "STAGES": s}, num_warps=w, num_stages=s)
+         for r, w, p, s in rn._BWD_CANDIDATES],
+        key=["BLOCK_SIZE", "ROWS_BUCKET"], prune_configs_by={"early_config_prune": rn._bwd_prune},
+        do_bench=fake_bench)(rn._rmsnorm_bwd_kernel))
+    monkeypatch.setattr(rn, "_BWD_FIXED", {})
+    monkeypatch.setattr(rn, "INTERPRET", False)
+    monkeypatch.setattr(rn, "sm_count", lambda device: 3)
+    x, w = randn(37, 300), 1 + 0.1 * randn(300, seed=1)
+    out, grads, dy = forward_backward(lambda a, b: rms_norm(a, b, 1e-5), x, w)
+    ref_out, ref_grads, _ = forward_backward(lambda a, b: F.rms_norm(a, (300,), b, eps=1e-5), x, w, grad_out=dy)
+    assert_all_close([out, *grads], [ref_out, *ref_grads])
+    assert "ROWS=" in rn.backward_choice()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="only a machine without a GPU needs the interpreter")
@@ -272,10 +396,11 @@ def test_elementwise_and_row_kernels_gpu(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64),
                                             (torch.float32, 32)])
-def test_flash_attention_gpu(dtype, head_dim, causal):
+def test_flash_attention_gpu(dtype, head_dim, causal, backward):
     B, H, T = 2, 4, 1000  # T not a multiple of any block size
     q, k, v = (randn(B, H, T, head_dim, dtype=dtype, device="cuda", seed=s) for s in range(3))
     mask = causal_mask(T, device="cuda") if causal else None
@@ -287,10 +412,38 @@ def test_flash_attention_gpu(dtype, head_dim, causal):
         scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
         return torch.softmax(scores if mask is None else scores + mask.double(), dim=-1) @ v
 
-    ours, ours_grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal), q, k, v)
+    ours, ours_grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal, backward=backward), q, k, v)
     lowp, lowp_grads, _ = forward_backward(naive, q, k, v, grad_out=do)
     exact, exact_grads, _ = forward_backward(float64_attention, q.double(), k.double(), v.double(),
                                              grad_out=do.double())
+    assert_within_reference_error([ours, *ours_grads], [lowp, *lowp_grads], [exact, *exact_grads])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_short_and_ragged_gpu(causal, backward):
+    """Lengths below one block and one row past a block, with the autotuned blocks."""
+    for T in (1, 65, 129):
+        q, k, v = (randn(2, 3, T, 64, dtype=torch.bfloat16, device="cuda", seed=s) for s in range(3))
+        ours, ours_grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal, backward=backward),
+                                                q, k, v)
+        exact, exact_grads, _ = forward_backward(lambda *t: sdpa(*t, causal), q.double(), k.double(), v.double(),
+                                                 grad_out=do.double())
+        for a, e in zip([ours, *ours_grads], [exact, *exact_grads]):
+            assert (a.double() - e).abs().max().item() < 5e-2, (T, causal, backward)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols", [64, 1024, 4096, 12288])
+def test_rms_norm_row_lengths_gpu(n_cols):
+    """Each row length picks its own tile shapes (rows per tile, warps): check a few."""
+    x = randn(2000, n_cols, dtype=torch.bfloat16, device="cuda")
+    w = (1 + 0.1 * randn(n_cols, seed=1, device="cuda")).to(torch.bfloat16)
+    ref = lambda a, b: F.rms_norm(a, (n_cols,), b, eps=1e-5)  # noqa: E731
+    ours, ours_grads, dy = forward_backward(lambda a, b: rms_norm(a, b, 1e-5), x, w)
+    lowp, lowp_grads, _ = forward_backward(ref, x, w, grad_out=dy)
+    exact, exact_grads, _ = forward_backward(ref, x.double(), w.double(), grad_out=dy.double())
     assert_within_reference_error([ours, *ours_grads], [lowp, *lowp_grads], [exact, *exact_grads])
 
 

@@ -417,3 +417,171 @@ def test_replace_resolves_defaults_again():
     config = tiny(d_model=48, ffn="swiglu")
     assert config.ffn_dim == 128
     assert dataclasses.replace(config, ffn="relu").ffn_dim == 192
+
+
+# ---------------------------------------------------------------- fast paths: same model, other code
+
+
+def grads_of(loss, model):
+    return dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+
+
+def assert_grads_close(a: dict, b: dict, **tol):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_equals_separate_layers(bias):
+    from lmfs.nn import fused_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    layers = [Linear(16, 16, bias), Linear(16, 8, bias), Linear(16, 8, bias)]  # GQA-like widths
+    for layer in layers:
+        if bias:
+            layer.bias.data.normal_()
+    fused = fused_linear(x, layers)
+    separate = [layer(x) for layer in layers]
+    for f, s in zip(fused, separate):
+        torch.testing.assert_close(f, s, rtol=1e-6, atol=1e-6)
+    params = [x] + [p for layer in layers for p in layer.parameters()]
+    g = torch.randn(3, 5, 32)
+    got = torch.autograd.grad(torch.cat(fused, -1), params, g)
+    want = torch.autograd.grad(torch.cat(separate, -1), params, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="last dimension must equal d_in"):
+        fused_linear(torch.randn(2, 7), layers)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(n_kv_heads=2, ffn="geglu"), dict(attention="mla", kv_latent_dim=8),
+                                       dict(bias=True, positions="none")], ids=str)
+def test_fused_projections_under_autocast_equal_separate_ones(overrides, monkeypatch):
+    import lmfs.nn.layers as layers
+
+    calls = []
+    real = layers.fused_linear
+    monkeypatch.setattr(layers, "fused_linear", lambda x, ls: calls.append(len(ls)) or real(x, ls))
+    fused = model_of(tiny(**overrides))
+    plain = model_of(tiny(fused_projections=False, **overrides))
+    plain.load_state_dict(fused.state_dict())  # the switch changes no parameter
+    idx = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused_logits, fused_loss = fused(idx, idx)
+    assert calls, "autocast should take the fused path"
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_logits, plain_loss = plain(idx, idx)
+    assert not calls
+    # The same bf16 products: one matmul rounds each output once, like the separate ones.
+    torch.testing.assert_close(fused_logits, plain_logits, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-3, atol=1e-3)
+    # The input's gradient is one matmul instead of a sum of bf16-rounded ones: bf16-close.
+    assert_grads_close(grads_of(fused_loss, fused), grads_of(plain_loss, plain), rtol=0.05, atol=2e-3)
+
+
+def test_fused_projections_leave_fp32_untouched(monkeypatch):
+    import lmfs.nn.layers as layers
+
+    monkeypatch.setattr(layers, "fused_linear", lambda *a: pytest.fail("fp32 needs no stacked copy"))
+    model = model_of(tiny())
+    plain = model_of(tiny(fused_projections=False))
+    idx = tokens()
+    torch.testing.assert_close(model(idx, idx)[1], plain(idx, idx)[1], rtol=0, atol=0)
+
+
+def reference_loss(h, w, targets, z_loss=0.0, softcap=None):
+    logits = h @ w.T
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    keep = targets != -100
+    loss = F.cross_entropy(logits, targets, ignore_index=-100)
+    return loss + z_loss * torch.logsumexp(logits[keep], -1).pow(2).mean() if z_loss else loss
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 37, 1000])  # 37 rows: ragged last chunk for 5 and 16
+@pytest.mark.parametrize("z_loss, softcap", [(0.0, None), (1e-2, None), (0.0, 3.0), (1e-2, 3.0)])
+def test_linear_cross_entropy_equals_cross_entropy(chunk, z_loss, softcap):
+    from lmfs.nn import linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(50, (37,))
+    targets[[0, 6, 20]] = -100
+    want = reference_loss(h, w, targets, z_loss, softcap)
+    got = linear_cross_entropy(h, w, targets, z_loss=z_loss, softcap=softcap, chunk=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    scale = torch.tensor(0.25)  # the incoming gradient, e.g. 1 / micro-batches
+    for a, b in zip(torch.autograd.grad(got * scale, (h, w)), torch.autograd.grad(want * scale, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # no gradient asked: the loss alone
+        torch.testing.assert_close(linear_cross_entropy(h, w, targets, z_loss=z_loss, softcap=softcap,
+                                                        chunk=chunk), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(tie_embeddings=False), dict(z_loss=1e-3, logit_softcap=5.0)],
+                         ids=str)
+def test_loss_without_logits_equals_loss_from_logits(overrides):
+    model = model_of(tiny(**overrides))
+    idx, targets = tokens(), tokens(seed=2)
+    targets[0, :3] = -100
+    logits, loss = model(idx, targets)
+    none, chunked = model(idx, targets, return_logits=False)
+    assert none is None
+    torch.testing.assert_close(chunked, loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close(grads_of(chunked, model), grads_of(model(idx, targets)[1], model), rtol=1e-5, atol=1e-7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 head and gradient, as the 2-step path
+        _, auto_plain = model(idx, targets)
+        _, auto_chunked = model(idx, targets, return_logits=False)
+    torch.testing.assert_close(auto_chunked, auto_plain, rtol=1e-3, atol=1e-3)
+    assert_grads_close(grads_of(auto_chunked, model), grads_of(auto_plain, model), rtol=0.05, atol=1e-3)
+    with pytest.raises(ValueError, match="return_logits=False only applies with targets"):
+        model(idx, return_logits=False)
+
+
+def test_fast_paths_compile_without_graph_breaks():
+    model = model_of(tiny(tie_embeddings=False))
+    idx, targets = tokens(), tokens(seed=2)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fused projections and chunked loss
+        loss = compiled(idx, targets, return_logits=False)[1]
+        eager = model(idx, targets, return_logits=False)[1]
+    torch.testing.assert_close(loss, eager)
+    assert_grads_close(grads_of(loss, model), grads_of(eager, model), rtol=1e-2, atol=1e-4)
+
+
+def test_sdpa_backend_preference():
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
+
+    from lmfs.nn.attention import prefer_sdpa_backend, sdpa_preference
+
+    before = _cur_sdpa_kernel_backends(with_priority=True)
+
+    def attend(q):
+        with prefer_sdpa_backend("cudnn"):
+            assert _cur_sdpa_kernel_backends(with_priority=True)[0] == SDPBackend.CUDNN_ATTENTION
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    q = torch.randn(2, 3, 8, 4)
+    torch.testing.assert_close(attend(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert _cur_sdpa_kernel_backends(with_priority=True) == before  # restored on exit
+    compiled = torch.compile(_prefer_and_attend, backend="aot_eager", fullgraph=True)  # no graph break
+    torch.testing.assert_close(compiled(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert _cur_sdpa_kernel_backends(with_priority=True) == before
+    # "auto", and any device but CUDA, leave SDPA's choice alone: the CPU path is unchanged.
+    assert type(sdpa_preference("auto", torch.device("cuda"))).__name__ == "nullcontext"
+    assert type(sdpa_preference("flash", torch.device("cpu"))).__name__ == "nullcontext"
+    model = model_of(tiny(sdpa_backend="flash"))
+    torch.testing.assert_close(model(tokens())[0], model_of(tiny())(tokens())[0])
+    with pytest.raises(ValueError, match="sdpa_backend"):
+        tiny(sdpa_backend="fastest")
+
+
+def _prefer_and_attend(q):
+    from lmfs.nn.attention import prefer_sdpa_backend
+
+    with prefer_sdpa_backend("flash"):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)

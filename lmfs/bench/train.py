@@ -1,6 +1,6 @@
 """Training throughput, MFU and peak memory of lmfs's transformer, against Hugging Face Llama.
 
-    python -m lmfs.bench.train [--json out.json] [--steps 30] [--batch-size 16]
+    python -m lmfs.bench train [--variants lmfs,hf] [--json out.json] [--steps 30] [--batch-size 16]
 
 On CUDA, for a GPT-2-small-sized Llama-style model (d_model 768, 12 layers, 12 heads, context
 1024, vocabulary 32,000, SwiGLU, RoPE, RMSNorm, no biases, untied embeddings):
@@ -14,19 +14,44 @@ On CUDA, for a GPT-2-small-sized Llama-style model (d_model 768, 12 layers, 12 h
    against both the measured and the datasheet peak.
 3. The same weights as Hugging Face ``LlamaForCausalLM`` (via :func:`lmfs.nn.to_hf_llama`),
    ``attn_implementation="sdpa"``, compiled, same autocast and optimizer: the tokens/s ratio.
-   Both use torch's fused AdamW, so the comparison is between the models alone. Ours is freed
-   first, so each peak memory is that model's alone.
+   Both use torch's fused AdamW, so the comparison is between the models alone. Each variant
+   is built, compiled, timed and freed before the next, so each peak memory is its own.
 4. Peak memory of one step (``torch.cuda.max_memory_allocated``) against
-   :func:`lmfs.accounting.training_memory`, whose formula counts the tensors eager PyTorch keeps;
-   compiled code fuses operations and keeps fewer, so its ratio is expected below 1.
+   :func:`lmfs.accounting.training_memory`, whose formula counts the tensors eager PyTorch keeps
+   with the loss computed from the logits (``model(x, y)``): checked eagerly, before anything is
+   compiled. Compiled code fuses operations and keeps fewer, so its ratio is expected below 1.
+
+**Variants** (``--variants``, comma-separated; the default is ``lmfs,hf``, ``ablation`` is
+:data:`ABLATION`). Every variant trains the same weights on the same batch with the same
+optimizer, autocast and compile mode; they differ in the model's own code paths only:
+
+* ``lmfs``: ``TransformerLM`` as it trains by default: q/k/v and gate/up each as one matmul
+  (``config.fused_projections``), and the loss computed chunk by chunk without keeping the
+  logits (``model(x, y, return_logits=False)``, :func:`lmfs.nn.linear_cross_entropy`).
+* ``baseline``: the same model with both switched off (separate projections; logits, then
+  ``F.cross_entropy``).
+* ``hf``: Hugging Face's Llama, compiled; ``hf-eager``: not compiled, for context.
+* Modifiers, appended: ``+proj`` / ``-proj`` (fused projections), ``+loss`` / ``-loss`` (chunked
+  loss), ``+cudnn`` / ``+flash`` / ``+efficient`` (the SDPA kernel to try first, also for ``hf``;
+  by default each side gets SDPA's own choice), ``-eager`` (not compiled). E.g.
+  ``baseline+proj`` or ``lmfs-loss``.
+
+The table gives each variant's tokens/s relative to ``hf`` and to ``baseline`` when those ran.
+Every compiled variant costs a compilation (about 40 s for this model on an H200); dynamo is
+reset before each, so none reuses or recompiles another's graphs.
 
 Without a GPU (or with ``--device cpu``) it runs a tiny model (d_model 64) for a few steps on the
-CPU so the code path is exercised; those numbers say nothing about real hardware.
+CPU, uncompiled, so the code path is exercised; those numbers say nothing about real hardware.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import importlib.util
+import re
+import time
 
 import torch
 
@@ -35,10 +60,14 @@ from lmfs.accounting import (PEAK_FLOPS, attention_flops_per_token, matmul_param
 from lmfs.bench import save_json
 from lmfs.bench.probes import matmul_rate
 from lmfs.bench.roofline import datasheet
-from lmfs.bench.timing import benchmark
+from lmfs.bench.timing import benchmark, profile_table
 from lmfs.env import resolve_device
 from lmfs.nn import TransformerConfig, TransformerLM, to_hf_llama
+from lmfs.nn.attention import SDPA_BACKENDS, sdpa_preference
 from lmfs.train.loop import accumulate_gradients
+
+DEFAULT_VARIANTS = "lmfs,hf"
+ABLATION = "baseline,baseline+proj,baseline+loss,lmfs+flash,lmfs+cudnn,lmfs,hf,hf-eager"
 
 
 def gpt2_small(vocab_size: int = 32000, context_length: int = 1024) -> TransformerConfig:
@@ -51,6 +80,62 @@ def tiny() -> TransformerConfig:
     """A model small enough for a CPU test to train in milliseconds."""
     return TransformerConfig(vocab_size=512, context_length=64, d_model=64, n_layers=2, n_heads=4,
                              tie_embeddings=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One row of the comparison: which model, and which of its code paths."""
+
+    name: str
+    model: str = "lmfs"                # "lmfs" or "hf"
+    fused_projections: bool = True     # lmfs: config.fused_projections
+    fused_loss: bool = True            # lmfs: model(x, y, return_logits=False)
+    sdpa_backend: str = "auto"         # SDPA kernel tried first (CUDA); "auto": SDPA's own order
+    compiled: bool = True              # torch.compile (on CUDA; never on the CPU)
+
+    def describe(self) -> str:
+        if self.model == "hf":
+            parts = ["Hugging Face LlamaForCausalLM"]
+        else:
+            parts = ["lmfs", "fused q/k/v, gate/up" if self.fused_projections else "separate projections",
+                     "chunked loss, no logits" if self.fused_loss else "logits + F.cross_entropy"]
+        first = "its own choice" if self.sdpa_backend == "auto" else f"{self.sdpa_backend} first"
+        parts.append(f"SDPA: {first}")
+        parts.append("compiled" if self.compiled else "eager")
+        return ", ".join(parts)
+
+
+def parse_variant(name: str) -> Variant:
+    """``lmfs``, ``baseline`` or ``hf``, then modifiers such as ``+proj``, ``-loss``, ``+cudnn``,
+    ``-eager`` (see the module docstring)."""
+    match = re.fullmatch(r"(lmfs|baseline|hf)((?:[+-][a-z]+)*)", name.strip())
+    if not match:
+        raise ValueError(f"unknown variant {name!r}: use lmfs, baseline or hf, optionally followed by "
+                         "+proj/-proj, +loss/-loss, +cudnn/+flash/+efficient, -eager")
+    base, modifiers = match.groups()
+    fields = dict(model="hf" if base == "hf" else "lmfs", fused_projections=base == "lmfs",
+                  fused_loss=base == "lmfs")  # lmfs's own switches, off for Hugging Face
+    for sign, word in re.findall(r"([+-])([a-z]+)", modifiers):
+        if word == "eager":
+            fields["compiled"] = False
+        elif word in SDPA_BACKENDS:
+            fields["sdpa_backend"] = word if sign == "+" else "auto"
+        elif word in ("proj", "loss") and base != "hf":
+            fields["fused_projections" if word == "proj" else "fused_loss"] = sign == "+"
+        else:
+            raise ValueError(f"variant {name!r}: modifier {sign}{word} does not apply; lmfs and baseline "
+                             "take +proj/-proj, +loss/-loss; every variant takes +cudnn/+flash/+efficient "
+                             "and -eager")
+    return Variant(name=name.strip(), **fields)
+
+
+def parse_variants(spec: str) -> list[Variant]:
+    """A comma-separated list of variant names (``ablation`` expands to :data:`ABLATION`)."""
+    names = [n for n in spec.replace("ablation", ABLATION).split(",") if n.strip()]
+    variants = [parse_variant(n) for n in names]
+    if len({v.name for v in variants}) != len(variants):
+        raise ValueError(f"variants repeat a name: {spec!r}")
+    return variants
 
 
 def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -83,15 +168,28 @@ class HFLoss(torch.nn.Module):
     """Wraps a Hugging Face causal LM as ``(x, y) -> (None, loss)``, lmfs's calling convention.
 
     Hugging Face shifts the labels itself, so ``labels=x``: ``T - 1`` predictions per sequence
-    instead of our ``T``, a 0.1 % difference at T = 1024.
+    instead of our ``T``, a 0.1 % difference at T = 1024. ``sdpa_backend`` (on CUDA) makes SDPA
+    try that kernel first, as ``TransformerConfig.sdpa_backend`` does for lmfs.
     """
 
-    def __init__(self, hf):
+    def __init__(self, hf, sdpa_backend: str = "auto"):
         super().__init__()
-        self.hf = hf
+        self.hf, self.sdpa_backend = hf, sdpa_backend
 
     def forward(self, x, y):
-        return None, self.hf(input_ids=x, labels=x).loss
+        with sdpa_preference(self.sdpa_backend, x.device):
+            return None, self.hf(input_ids=x, labels=x).loss
+
+
+class LossOnly(torch.nn.Module):
+    """``TransformerLM`` called as ``(x, y) -> (None, loss)`` through the chunked loss."""
+
+    def __init__(self, model: TransformerLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return self.model(x, y, return_logits=False)
 
 
 def peak_memory(step, device: torch.device) -> int | None:
@@ -106,13 +204,39 @@ def peak_memory(step, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device)
 
 
-def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto") -> dict:
+def sdpa_default(config: TransformerConfig, batch: int, device: torch.device) -> str:
+    """The kernel SDPA picks by itself for this model's causal attention in bf16 (CUDA)."""
+    try:
+        q = torch.zeros(batch, config.n_heads, config.context_length, config.head_dim, device=device,
+                        dtype=torch.bfloat16, requires_grad=True)
+        return torch.nn.attention.SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
+    except Exception as err:  # a private function: report, do not fail the benchmark
+        return f"unknown ({type(err).__name__})"
+
+
+def free_memory(device: torch.device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def graph_count() -> int:
+    """Graphs dynamo has compiled since the last reset (a recompilation adds one)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto",
+        variants: str = DEFAULT_VARIANTS, profile: bool = False) -> dict:
     device = resolve_device(device)
     cuda = device.type == "cuda"
+    chosen = [dataclasses.replace(v, compiled=v.compiled and cuda)  # never compiled on the CPU
+              for v in parse_variants(variants) if hf or v.model != "hf"]
     config = gpt2_small() if cuda else tiny()
     B, T = (batch_size or (16 if cuda else 4)), config.context_length
     dtype = torch.bfloat16 if cuda else None
-    warmup = 5 if cuda else 1
+    warmup = 5 if cuda else 1  # after the first step, which compiles and is timed on its own
     if not cuda:
         print(f"on {device}: a tiny model, to exercise the code; real numbers need a CUDA GPU")
         steps = min(steps, 5)
@@ -121,7 +245,8 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
               "shape": dict(d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads,
                             context=T, vocab=config.vocab_size, batch=B),
               "optimizer": "torch.optim.AdamW(fused=True)" if cuda else "torch.optim.AdamW",
-              "autocast": "bf16" if cuda else "off", "compiled": cuda, "steps_timed": steps}
+              "autocast": "bf16" if cuda else "off", "compiled": cuda, "steps_timed": steps,
+              "warmup_steps": warmup, "variants": [v.name for v in chosen]}
     flops_per_token = training_flops(config, 1, T)
     result["train_flops_per_token"] = flops_per_token
     print(f"model: d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} heads, context {T}, "
@@ -137,76 +262,142 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
     result.update(measured_peak_flops=measured, datasheet_peak_flops=sheet)
     print(f"measured matmul peak: {measured / 1e12:.1f} TFLOP/s"
           + (f" (datasheet bf16 dense: {sheet / 1e12:.1f})" if sheet else ""))
+    if cuda:
+        result["cudnn_version"] = torch.backends.cudnn.version()
+        result["sdpa_default_backend"] = sdpa_default(config, B, device)
+        print(f"SDPA's own choice for this attention (bf16, causal, head_dim {config.head_dim}): "
+              f"{result['sdpa_default_backend']}; cuDNN {result['cudnn_version']}")
 
+    # One set of weights for every variant (the switches change code paths, not parameters).
     torch.manual_seed(0)
-    ours = TransformerLM(config).to(device)
+    reference = TransformerLM(config)
+    state = reference.state_dict()
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(config.vocab_size, (B, T), generator=generator).to(device)
     y = torch.randint(config.vocab_size, (B, T), generator=generator).to(device)
 
-    def measure(model) -> dict:
-        optimizer = adamw(model, device)
-        forward = torch.compile(model) if cuda else model
-        step = lambda: training_step(forward, optimizer, x, y, dtype)  # noqa: E731
-        seconds = benchmark(step, warmup=warmup, repeats=steps, device=device).median
-        achieved = flops_per_token * B * T / seconds
-        return dict(step_ms=seconds * 1e3, tokens_per_s=B * T / seconds, achieved_flops=achieved,
-                    mfu_measured=achieved / measured, mfu_datasheet=achieved / sheet if sheet else None,
-                    peak_memory=peak_memory(step, device))
+    def lmfs_model(cfg: TransformerConfig) -> TransformerLM:
+        model = TransformerLM(cfg)
+        model.load_state_dict(state)
+        return model.to(device)
 
-    result["lmfs"] = measure(ours)
-    predicted = training_memory(config, B, T, compute_bytes=2 if cuda else 4)["total"]
-    result["predicted_memory"] = predicted
-    if cuda:  # the same step, eager: the memory formula counts the tensors eager PyTorch keeps
-        optimizer = adamw(ours, device)
-        eager = peak_memory(lambda: training_step(ours, optimizer, x, y, dtype), device)
-        result["memory_ratio_eager"] = eager / predicted
-        result["memory_ratio_compiled"] = result["lmfs"]["peak_memory"] / predicted
-        del optimizer
-    if hf:
-        try:
-            hf_model = HFLoss(hf_llama(ours, device))
-        except ImportError as err:
-            print(f"Hugging Face comparison skipped: {err}")
+    if cuda:  # eager, loss from the logits: the tensors training_memory's formula counts
+        for name, cfg in [("", config), ("_unfused", dataclasses.replace(config, fused_projections=False))]:
+            model = lmfs_model(cfg)
+            optimizer = adamw(model, device)
+            eager = peak_memory(lambda: training_step(model, optimizer, x, y, dtype), device)  # noqa: B023
+            predicted = training_memory(cfg, B, T, compute_bytes=2)["total"]
+            result[f"memory_ratio_eager{name}"] = eager / predicted
+            if not name:
+                result["predicted_memory"] = predicted
+            del model, optimizer
+            free_memory(device)
+    else:
+        result["predicted_memory"] = training_memory(config, B, T, compute_bytes=4)["total"]
+
+    def measure(variant: Variant) -> dict:
+        if variant.model == "hf":
+            module = HFLoss(hf_llama(reference, device), variant.sdpa_backend)
+            params = module
         else:
-            del ours  # measure Hugging Face's memory without ours beside it
-            if cuda:
-                torch.cuda.empty_cache()
-            result["hf"] = measure(hf_model)
-            result["speedup_vs_hf"] = result["lmfs"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+            cfg = dataclasses.replace(config, fused_projections=variant.fused_projections,
+                                      sdpa_backend=variant.sdpa_backend)
+            params = lmfs_model(cfg)
+            module = LossOnly(params) if variant.fused_loss else params
+        torch._dynamo.reset()  # no graphs, guards or recompile budget carried over from another variant
+        forward = torch.compile(module) if variant.compiled else module
+        optimizer = adamw(params, device)
+        step = lambda: training_step(forward, optimizer, x, y, dtype)  # noqa: E731
+        start = time.perf_counter()
+        step()  # compiles forward and backward; creates the optimizer state
+        if cuda:
+            torch.cuda.synchronize(device)
+        first_step_s = time.perf_counter() - start
+        graphs = graph_count()
+        seconds = benchmark(step, warmup=warmup, repeats=steps, device=device).median
+        recompiled = graph_count() != graphs
+        if recompiled:
+            print(f"warning: {variant.name} compiled again after its first step: its timing may include it")
+        achieved = flops_per_token * B * T / seconds
+        out = dict(step_ms=seconds * 1e3, tokens_per_s=B * T / seconds, achieved_flops=achieved,
+                   mfu_measured=achieved / measured, mfu_datasheet=achieved / sheet if sheet else None,
+                   peak_memory=peak_memory(step, device), first_step_s=first_step_s,
+                   recompiled=recompiled, **dataclasses.asdict(variant))
+        if profile:
+            table = profile_table(step, warmup=1, repeats=3, row_limit=15)
+            print(f"\n{variant.name}: {variant.describe()}; {table.attrs['where']} per step")
+            print(table.to_string(index=False, formatters={"total_us": "{:,.0f}".format,
+                                                           "mean_us": "{:,.1f}".format,
+                                                           "share": "{:.1%}".format}))
+            out["profile"] = table.to_dict(orient="records")
+        return out
+
+    for variant in chosen:
+        if variant.model == "hf" and importlib.util.find_spec("transformers") is None:
+            print(f"{variant.name} skipped: transformers is not installed")
+            continue
+        print(f"{variant.name}: {variant.describe()} ...", flush=True)
+        result[variant.name] = measure(variant)
+        torch._dynamo.reset()  # drop the compiled code, whose caches may still refer to the model
+        free_memory(device)  # the model and optimizer went with measure's frame
+
+    timed = [v.name for v in chosen if v.name in result]
+    for reference_name, key in [("hf", "vs_hf"), ("baseline", "vs_baseline")]:
+        if reference_name in result:
+            for name in timed:
+                result[name][key] = result[name]["tokens_per_s"] / result[reference_name]["tokens_per_s"]
+    if "lmfs" in result and "hf" in result:
+        result["speedup_vs_hf"] = result["lmfs"]["vs_hf"]
+    if cuda and "lmfs" in result:
+        result["memory_ratio_compiled"] = result["lmfs"]["peak_memory"] / result["predicted_memory"]
     report(result)
     return result
 
 
 def report(r: dict) -> None:
-    """Print the results of :func:`run` as a table."""
+    """Print the results of :func:`run` as a table, one row per variant."""
     gib = 2**30
-    names = [name for name in ("lmfs", "hf") if name in r]
-    print(f"\n{'':24}" + "".join(f"{name:>14}" for name in names))
-    rows = [("step (ms)", "step_ms", "{:.1f}", 1), ("tokens/s", "tokens_per_s", "{:,.0f}", 1),
-            ("TFLOP/s", "achieved_flops", "{:.1f}", 1e12), ("MFU vs measured", "mfu_measured", "{:.1%}", 1),
-            ("MFU vs datasheet", "mfu_datasheet", "{:.1%}", 1),
-            ("peak memory (GiB)", "peak_memory", "{:.2f}", gib)]
-    for label, key, fmt, unit in rows:
-        values = [r[name][key] for name in names]
-        print(f"{label:24}" + "".join(f"{'-' if v is None else fmt.format(v / unit):>14}" for v in values))
+    names = [name for name in r["variants"] if name in r]
+    columns = [("step ms", "step_ms", "{:.1f}", 1), ("tokens/s", "tokens_per_s", "{:,.0f}", 1),
+               ("TFLOP/s", "achieved_flops", "{:.1f}", 1e12), ("MFU meas", "mfu_measured", "{:.1%}", 1),
+               ("MFU sheet", "mfu_datasheet", "{:.1%}", 1), ("peak GiB", "peak_memory", "{:.2f}", gib),
+               ("x hf", "vs_hf", "{:.3f}", 1), ("x base", "vs_baseline", "{:.3f}", 1),
+               ("1st step s", "first_step_s", "{:.1f}", 1)]
+    width = max([len(n) for n in names] + [8]) + 2
+    print(f"\n{'variant':<{width}}" + "".join(f"{label:>12}" for label, *_ in columns))
+    for name in names:
+        row = r[name]
+        cells = [row.get(key) for _, key, _, _ in columns]
+        print(f"{name:<{width}}" + "".join(f"{'-' if v is None else fmt.format(v / unit):>12}"
+                                           for v, (_, _, fmt, unit) in zip(cells, columns)))
+    print("\n" + "\n".join(f"  {name:<{width}}{Variant(**{k: r[name][k] for k in _FIELDS}).describe()}"
+                           for name in names))
     if "speedup_vs_hf" in r:
         print(f"\ntokens/s lmfs / Hugging Face: {r['speedup_vs_hf']:.2f}x (goal >= 1.2)")
-    print(f"predicted peak memory (training_memory, eager): {r['predicted_memory'] / gib:.2f} GiB")
+    print(f"predicted peak memory (training_memory, eager, loss from logits): "
+          f"{r['predicted_memory'] / gib:.2f} GiB")
     if "memory_ratio_eager" in r:
-        print(f"measured / predicted peak memory: eager {r['memory_ratio_eager']:.3f}, "
-              f"compiled {r['memory_ratio_compiled']:.3f}")
+        print(f"measured / predicted peak memory: eager {r['memory_ratio_eager']:.3f} "
+              f"(unfused projections {r['memory_ratio_eager_unfused']:.3f})"
+              + (f", compiled lmfs {r['memory_ratio_compiled']:.3f}" if "memory_ratio_compiled" in r else ""))
+
+
+_FIELDS = [f.name for f in dataclasses.fields(Variant)]
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m lmfs.bench.train", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed steps (after warm-up)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 on GPU)")
-    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated (default {DEFAULT_VARIANTS}); 'ablation' = {ABLATION}")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face variants")
+    parser.add_argument("--profile", action="store_true", help="also print each variant's top kernels")
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: a tiny model)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    result = run(args.steps, args.batch_size, hf=not args.no_hf, device=args.device)
+    result = run(args.steps, args.batch_size, hf=not args.no_hf, device=args.device, variants=args.variants,
+                 profile=args.profile)
     save_json(result, args.json)
     return result
 

@@ -95,4 +95,57 @@ def row_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-__all__ = ["INTERPRET", "triton", "tl", "check_tensors", "row_block", "row_warps", "FLOAT_DTYPES"]
+# ----------------------------------------------------------------------------------------------
+# Autotuning helpers (GPU only: the interpreter cannot time anything, so kernels get fixed blocks).
+
+
+def autotune_bench(kernel_call, quantiles):
+    """How ``triton.autotune`` times one candidate: shorter than Triton's default (25 ms warm-up,
+    100 ms of repeats per candidate), because a kernel here has up to a dozen candidates for every
+    new shape key, and a first call should not take seconds. A handful of repeats is enough to
+    separate configurations whose speeds differ by more than a few per cent."""
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (4 under the interpreter: its programs run one
+    after another anyway, so a few programs suffice to exercise the code)."""
+    if INTERPRET or device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def shared_memory_limit(device_index: int | None = None) -> int:
+    """Bytes of shared memory one program may use (227 KB on an H100/H200; 99 KB on many others)."""
+    if INTERPRET or not torch.cuda.is_available():
+        return 227 * 1024
+    props = torch.cuda.get_device_properties(device_index if device_index is not None else torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_block_optin", 227 * 1024))
+
+
+def config_str(config) -> str:
+    """A ``triton.Config`` (or a dict of fixed block sizes) as one short line, e.g.
+    ``BLOCK_M=128 BLOCK_N=64 warps=8 stages=3``: what the benchmarks print for each shape."""
+    if config is None:
+        return "-"
+    if isinstance(config, dict):
+        return " ".join(f"{k}={v}" for k, v in config.items()) + " (fixed)"
+    parts = [f"{k}={v}" for k, v in config.kwargs.items()] + [f"warps={config.num_warps}"]
+    if "STAGES" not in config.kwargs:  # a kernel that sets its loop's stages itself shows them once
+        parts.append(f"stages={config.num_stages}")
+    return " ".join(parts)
+
+
+__all__ = ["INTERPRET", "triton", "tl", "check_tensors", "row_block", "row_warps", "FLOAT_DTYPES", "autotune_bench",
+           "sm_count", "shared_memory_limit", "config_str"]

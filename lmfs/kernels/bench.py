@@ -15,7 +15,11 @@ fused op, ``torch.compile`` of the written-out formula, and for GeLU a CUDA C++ 
 written-out attention of :func:`lmfs.nn.attention.attention_reference`, in bf16, causal and not,
 at 16 heads and ``batch × seq_len = 16384`` tokens. FLOPs counted: ``4·B·H·T²·D`` for the forward
 (two matmuls), 2.5 times that for the backward (five), halved when causal (the masked half need
-not be computed), the same count for every implementation.
+not be computed), the same count for every implementation. Forward+backward is timed for each
+backward scheme of :func:`lmfs.kernels.flash_attention` (``split``: two kernels, seven matmuls;
+``atomic``: one kernel, five matmuls and atomic dQ additions), with the largest gradient
+difference from SDPA's. A second table lists the block sizes, warps and pipeline stages the
+autotuner chose for every shape, and the seconds the first calls took (compilation and tuning).
 
 Without a GPU both run tiny sizes through Triton's interpreter, to exercise the code; those
 numbers say nothing about real hardware.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 
 import torch
@@ -36,6 +41,8 @@ from lmfs.bench.timing import benchmark
 from lmfs.kernels import INTERPRET, cuda_toolchain_problem, flash_attention, gelu, gelu_cuda, gelu_torch
 from lmfs.kernels import rms_norm, softmax
 from lmfs.kernels._triton import triton
+from lmfs.kernels.flash_attention import BACKWARDS, DEFAULT_BACKWARD, autotune_choices
+from lmfs.kernels.rmsnorm import backward_choice as rmsnorm_backward_choice
 from lmfs.nn.attention import attention_reference, causal_mask
 from lmfs.nn.layers import RMSNorm
 
@@ -54,8 +61,17 @@ def _fwd_fwdbwd(fn, inputs, grad_out, device, warmup: int, repeats: int, backwar
         fwd = benchmark(lambda: fn(*inputs), warmup, repeats, device).median
     if not backward:
         return fwd, None
-    both = benchmark(lambda: torch.autograd.grad(fn(*inputs), inputs, grad_out), warmup, repeats, device).median
-    return fwd, both
+    return fwd, _fwdbwd(fn, inputs, grad_out, device, warmup, repeats)
+
+
+def _fwdbwd(fn, inputs, grad_out, device, warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn(*inputs)`` followed by its backward."""
+    return benchmark(lambda: torch.autograd.grad(fn(*inputs), inputs, grad_out), warmup, repeats, device).median
+
+
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _num(x: float) -> str:
@@ -139,8 +155,12 @@ def run_kernels(device=None, compile_: bool | None = None) -> dict:
             fwd, both = _fwd_fwdbwd(fn, inputs, grad_out, device, warmup, repeats, has_backward)
             table[impl] = {"max_abs_diff": diff, "fwd_s": fwd, "fwd_GBps": 2 * size / fwd,
                            "fwdbwd_s": both, "fwdbwd_GBps": 5 * size / both if both else None}
+            if name == "RMSNorm" and impl == "lmfs triton":  # the autotuner's choice for the backward
+                table[impl]["bwd_config"] = rmsnorm_backward_choice()
         result["ops"][name] = table
         _print_kernel_table(name, table, reference, copy)
+        if "bwd_config" in table.get("lmfs triton", {}):
+            print(f"lmfs triton RMSNorm backward: {table['lmfs triton']['bwd_config']}")
     return result
 
 
@@ -191,8 +211,12 @@ def _time_sdpa(backend, q, k, v, do, causal, device, warmup, repeats):
 
 
 def run_attention(seq_lens=None, head_dims=None, tokens: int | None = None, heads: int | None = None,
-                  naive_max_seq: int = 8192, device=None) -> dict:
-    """Time FlashAttention against SDPA and naive attention; print a table; return the numbers."""
+                  naive_max_seq: int = 8192, device=None, backwards=None) -> dict:
+    """Time FlashAttention against SDPA and naive attention; print the tables; return the numbers.
+
+    ``backwards``: the backward schemes of :func:`flash_attention` to time (default: all of
+    them); ``lmfs_fwdbwd`` in each row is the default scheme's if it was timed, else the first's.
+    """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -200,12 +224,18 @@ def run_attention(seq_lens=None, head_dims=None, tokens: int | None = None, head
     head_dims = head_dims or ([64, 128] if cuda else [32])
     tokens = tokens or (16384 if cuda else 64)
     heads = heads or (16 if cuda else 2)
+    backwards = tuple(backwards or BACKWARDS)
+    unknown = set(backwards) - set(BACKWARDS)
+    if unknown:
+        raise ValueError(f"run_attention: unknown backward scheme(s) {sorted(unknown)}; choose from {BACKWARDS}")
+    main_backward = DEFAULT_BACKWARD if DEFAULT_BACKWARD in backwards else backwards[0]
     warmup, repeats = (3, 10) if cuda else (1, 2)
     if not cuda:
         print(CPU_NOTE)
     result = {**_device_info(device), "dtype": str(dtype).replace("torch.", ""), "tokens": tokens,
-              "heads": heads, "rows": []}
+              "heads": heads, "backwards": list(backwards), "main_backward": main_backward, "rows": []}
     gen = torch.Generator(device=device).manual_seed(0)
+    started = time.perf_counter()
     for head_dim in head_dims:
         for causal in (False, True):
             for T in seq_lens:
@@ -216,18 +246,40 @@ def run_attention(seq_lens=None, head_dims=None, tokens: int | None = None, head
                 fwd_flops = 4 * B * heads * T * T * head_dim * (0.5 if causal else 1.0)
                 both_flops = 3.5 * fwd_flops
                 row = {"causal": causal, "head_dim": head_dim, "seq_len": T, "batch": B}
+                sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+                # First calls: the forward check, then each backward once (compile and autotune).
+                first = time.perf_counter()
                 with torch.no_grad():
-                    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    expected = sdpa(q, k, v)
                     row["max_abs_diff"] = _max_diff(flash_attention(q, k, v, causal=causal), expected)
-                lmfs = _fwd_fwdbwd(lambda q, k, v: flash_attention(q, k, v, causal=causal), (q, k, v), do,
-                                   device, warmup, repeats)
-                row["lmfs_fwd"], row["lmfs_fwdbwd"] = fwd_flops / lmfs[0], both_flops / lmfs[1]
-                sdpa = {name: t for name, backend in _sdpa_backends(cuda).items()
-                        if (t := _time_sdpa(backend, q, k, v, do, causal, device, warmup, repeats))}
-                best_fwd = min(sdpa, key=lambda name: sdpa[name][0])
-                best_both = min(sdpa, key=lambda name: sdpa[name][1])
-                row.update(sdpa_fwd=fwd_flops / sdpa[best_fwd][0], sdpa_fwd_backend=best_fwd,
-                           sdpa_fwdbwd=both_flops / sdpa[best_both][1], sdpa_fwdbwd_backend=best_both,
+                configs = {"fwd": autotune_choices()["fwd"]}
+                expected_grads = torch.autograd.grad(sdpa(q, k, v), (q, k, v), do)
+                for scheme in backwards:
+                    out = flash_attention(q, k, v, causal=causal, backward=scheme)
+                    grads = torch.autograd.grad(out, (q, k, v), do)
+                    row[f"grad_max_abs_diff_{scheme}"] = max(map(_max_diff, grads, expected_grads))
+                    chosen = autotune_choices()
+                    kernels = ("atomic",) if scheme == "atomic" else ("dkdv", "dq")
+                    configs.update({name: chosen[name] for name in kernels})
+                    del out, grads
+                del expected_grads
+                _synchronize(device)
+                row["first_calls_s"] = time.perf_counter() - first
+                row["configs"] = configs
+                lmfs_fwd, _ = _fwd_fwdbwd(lambda q, k, v: flash_attention(q, k, v, causal=causal), (q, k, v), do,
+                                          device, warmup, repeats, backward=False)
+                row["lmfs_fwd"] = fwd_flops / lmfs_fwd
+                for scheme in backwards:
+                    both = _fwdbwd(lambda q, k, v, s=scheme: flash_attention(q, k, v, causal=causal, backward=s),
+                                   (q, k, v), do, device, warmup, repeats)
+                    row[f"lmfs_fwdbwd_{scheme}"] = both_flops / both
+                row["lmfs_fwdbwd"] = row[f"lmfs_fwdbwd_{main_backward}"]
+                sdpa_times = {name: t for name, backend in _sdpa_backends(cuda).items()
+                              if (t := _time_sdpa(backend, q, k, v, do, causal, device, warmup, repeats))}
+                best_fwd = min(sdpa_times, key=lambda name: sdpa_times[name][0])
+                best_both = min(sdpa_times, key=lambda name: sdpa_times[name][1])
+                row.update(sdpa_fwd=fwd_flops / sdpa_times[best_fwd][0], sdpa_fwd_backend=best_fwd,
+                           sdpa_fwdbwd=both_flops / sdpa_times[best_both][1], sdpa_fwdbwd_backend=best_both,
                            naive_fwd=None, naive_fwdbwd=None)
                 if T <= naive_max_seq:
                     mask = causal_mask(T, device=device, dtype=dtype) if causal else None
@@ -239,10 +291,12 @@ def run_attention(seq_lens=None, head_dims=None, tokens: int | None = None, head
                         pass  # the T×T scores did not fit: reported as missing
                     del mask
                 result["rows"].append(row)
-                print(f"  done: causal={causal} D={head_dim} T={T}", file=sys.stderr, flush=True)
+                print(f"  done: causal={causal} D={head_dim} T={T} ({time.perf_counter() - started:.0f} s so far)",
+                      file=sys.stderr, flush=True)
                 del q, k, v, do
                 if cuda:
                     torch.cuda.empty_cache()
+    result["total_s"] = time.perf_counter() - started
     _print_attention_table(result)
     return result
 
@@ -253,20 +307,33 @@ def _print_attention_table(result: dict) -> None:
     def tf(x):
         return "-" if x is None else _num(x / 1e12)
 
-    rows = []
+    schemes = result.get("backwards", [])
+    rows, tuned = [], []
     for r in result["rows"]:
-        rows.append({"causal": r["causal"], "D": r["head_dim"], "T": r["seq_len"], "B": r["batch"],
-                     "max |Δ|": f"{r['max_abs_diff']:.1e}",
-                     "fwd lmfs": tf(r["lmfs_fwd"]), "fwd sdpa": f"{tf(r['sdpa_fwd'])} ({r['sdpa_fwd_backend']})",
-                     "fwd naive": tf(r["naive_fwd"]), "fwd lmfs/sdpa": f"{r['lmfs_fwd'] / r['sdpa_fwd']:.3g}",
-                     "f+b lmfs": tf(r["lmfs_fwdbwd"]),
-                     "f+b sdpa": f"{tf(r['sdpa_fwdbwd'])} ({r['sdpa_fwdbwd_backend']})",
-                     "f+b naive": tf(r["naive_fwdbwd"]),
-                     "f+b lmfs/sdpa": f"{r['lmfs_fwdbwd'] / r['sdpa_fwdbwd']:.3g}"})
+        row = {"causal": r["causal"], "D": r["head_dim"], "T": r["seq_len"], "B": r["batch"],
+               "max |Δ|": f"{r['max_abs_diff']:.1e}",
+               "fwd lmfs": tf(r["lmfs_fwd"]), "fwd sdpa": f"{tf(r['sdpa_fwd'])} ({r['sdpa_fwd_backend']})",
+               "fwd naive": tf(r["naive_fwd"]), "fwd lmfs/sdpa": f"{r['lmfs_fwd'] / r['sdpa_fwd']:.3g}"}
+        for scheme in schemes:
+            row[f"f+b {scheme}"] = tf(r[f"lmfs_fwdbwd_{scheme}"])
+        row.update({"f+b sdpa": f"{tf(r['sdpa_fwdbwd'])} ({r['sdpa_fwdbwd_backend']})",
+                    "f+b naive": tf(r["naive_fwdbwd"])})
+        for scheme in schemes:
+            row[f"f+b {scheme}/sdpa"] = f"{r[f'lmfs_fwdbwd_{scheme}'] / r['sdpa_fwdbwd']:.3g}"
+        rows.append(row)
+        tuned.append({"causal": r["causal"], "D": r["head_dim"], "T": r["seq_len"],
+                      **{f"grad |Δ| {scheme}": f"{r[f'grad_max_abs_diff_{scheme}']:.1e}" for scheme in schemes},
+                      "first calls s": f"{r['first_calls_s']:.1f}", **r["configs"]})
     print(f"\nattention TFLOP/s, {result['dtype']}, {result['heads']} heads, batch × seq_len = "
-          f"{result['tokens']} tokens ({result['device']}); f+b = forward + backward; "
-          "max |Δ| = lmfs vs SDPA output")
+          f"{result['tokens']} tokens ({result['device']}); f+b = forward + backward with each backward "
+          f"scheme (default {DEFAULT_BACKWARD!r}); max |Δ| = lmfs vs SDPA output")
     print(pd.DataFrame(rows).to_string(index=False))
+    print("\nautotuner's choices per shape (BLOCK_M, BLOCK_N, warps, pipeline stages), largest gradient "
+          "difference from SDPA's, and seconds of the first calls (compilation + autotuning):")
+    with pd.option_context("display.max_colwidth", 60):
+        print(pd.DataFrame(tuned).to_string(index=False))
+    if "total_s" in result:
+        print(f"\nattention benchmark: {result['total_s']:.0f} s in all")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,8 +356,10 @@ def main_attention(argv=None) -> dict:
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
     parser.add_argument("--naive-max-seq", type=int, default=8192,
                         help="skip naive attention above this length (its T×T scores fill memory)")
+    parser.add_argument("--backward", nargs="+", choices=BACKWARDS, default=None,
+                        help=f"backward schemes to time (default: all; the library default is {DEFAULT_BACKWARD})")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    result = run_attention(args.seq_lens, args.head_dims, naive_max_seq=args.naive_max_seq)
+    result = run_attention(args.seq_lens, args.head_dims, naive_max_seq=args.naive_max_seq, backwards=args.backward)
     save_json(result, args.json)
     return result

@@ -26,8 +26,12 @@ waits on memory. FlashAttention (Dao et al., 2022; FA-2: Dao, 2023) never materi
   masked: the loops stop at the diagonal, halving the work, and only the blocks that straddle the
   diagonal pay for computing the mask.
 
-FA-2's split of the work: the forward and the dQ kernel parallelise over query blocks, the dK/dV
-kernel over key blocks, so no two programs write the same output and no atomics are needed.
+The split of the work: the forward parallelises over query blocks. The backward comes in two
+schemes (``flash_attention(..., backward=...)``). ``"split"`` (the default): a dK/dV kernel over key
+blocks and a dQ kernel over query blocks, so no two programs write the same output and no atomics
+are needed, at the price of computing ``S`` and ``dP`` twice (seven matmuls per block pair).
+``"atomic"`` (FA-2's own scheme): one kernel over key blocks that also adds each block's share of
+``dQ`` into a float32 buffer with atomic additions (five matmuls, not bit-for-bit reproducible).
 
 Two implementations: :func:`flash_attention` (Triton, autotuned block sizes on a GPU) and
 :func:`flash_attention_torch` (the same algorithm in readable PyTorch loops, any device).
@@ -39,7 +43,8 @@ import math
 
 import torch
 
-from lmfs.kernels._triton import INTERPRET, check_tensors, tl, triton
+from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, config_str, shared_memory_limit, tl,
+                                  triton)
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two (tl.arange needs them); ≥ 16 for the tensor cores
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x·log2 e), and exp2 is the faster instruction
@@ -161,59 +166,93 @@ def flash_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels. Every (batch, head) is a contiguous (T, D) matrix, so its row r, column d sits
-# at offset head·T·D + r·D + d. Scores are kept in log2 units (s·scale·log2 e) so that every
-# exponential is an exp2.
+# at offset head·T·D + r·D + d. Exponentials are exp2: with c = scale·log2 e, exp(scale·s − m) =
+# 2^(c·s − m') where m' is the maximum in log2 units, and c·s − m' is one fused multiply-add per
+# score. The forward saves the log-sum-exp in those log2 units too (L₂ = L·log2 e), so the
+# backward recomputes P = 2^(c·s − L₂) with one multiply-add as well.
+#
+# Three kinds of key/value (or query) ranges, so that masks cost only where they are needed:
+# blocks every row sees in full (no mask), the blocks on the causal diagonal (a causal mask), and,
+# without a causal mask, the partial block at the end of the sequence (a bounds mask). Loads of a
+# block that may run past the end of the sequence are masked (zeros come back); that costs one
+# comparison per row and is kept wherever a block can be partial.
+#
+# ``do_not_specialize=["T"]``: Triton would otherwise compile a separate kernel for lengths that
+# are multiples of 16 and for those that are not (T = 1000 and T = 1024), every autotuning
+# candidate twice. Nothing here needs it: rows start at multiples of HEAD_DIM ≥ 16 elements, so
+# the loads stay aligned and vectorised whatever T is.
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, offs_m, offs_d, lo, hi, T, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Stream the key/value blocks in [lo, hi) past one query block (online softmax)."""
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        in_seq = offs_n < T
-        kv_offsets = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
-        if UPCAST:
+    """Stream the key/value blocks in [lo, hi) past one query block (online softmax).
+
+    ``MASKED``: these blocks need a mask (the causal diagonal, or the partial block at the end).
+    Unmasked blocks lie wholly inside the sequence, so their loads need no bounds check either."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    kv_offsets = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    k_ptrs, v_ptrs = k_ptr + kv_offsets, v_ptr + kv_offsets
+    for start_n in range(lo, hi, BLOCK_N):  # the offsets advance instead of being recomputed
+        if MASKED:
+            k = tl.load(k_ptrs, mask=(offs_n < T)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if UPCAST:  # Triton's interpreter gets 16-bit arithmetic wrong; a GPU keeps 16-bit dot operands
             k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        if MASKED:  # only the blocks at the sequence end or on the causal diagonal pay for a mask
-            visible = in_seq[None, :]
-            if CAUSAL:
-                visible = visible & (offs_m[:, None] >= offs_n[None, :])
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # raw scores q·k, (BLOCK_M, BLOCK_N)
+        if MASKED:
+            if CAUSAL:  # query i sees key j only if j ≤ i (this also hides keys past the end)
+                visible = offs_m[:, None] >= offs_n[None, :]
+            else:
+                visible = (offs_n < T)[None, :]
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+        else:  # the scale is positive, so the maximum of the raw scores, scaled, is the scaled maximum
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)  # rescales the old sum and accumulator to the new maximum
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(offs_n < T)[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            v = v.to(tl.float32)
         # P goes into the second matmul in the inputs' dtype: 16-bit operands use the tensor cores.
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
+        offs_n += BLOCK_N
+        k_ptrs += BLOCK_N * HEAD_DIM
+        v_ptrs += BLOCK_N * HEAD_DIM
     return acc, l_i, m_i
 
 
-@triton.jit
-def _attn_fwd(Q, K, V, O, LSE, T, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+@triton.jit(do_not_specialize=["T"])
+def _attn_fwd(Q, K, V, O, LSE, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M  # this program's query block
+    # T_BUCKET and ROWS_BUCKET are not used here: they are the autotuner's key (see _tune_keys).
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks have the most key blocks to see: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M  # this program's query block
     row0 = tl.program_id(1).to(tl.int64) * T  # first row of this (batch, head); int64 for big tensors
     q_ptr, k_ptr, v_ptr = Q + row0 * HEAD_DIM, K + row0 * HEAD_DIM, V + row0 * HEAD_DIM
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T  # the last query block may hang over the end of the sequence
     q = tl.load(q_ptr + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    if UPCAST:  # Triton's interpreter gets 16-bit arithmetic wrong; a GPU keeps 16-bit dot operands
+    if UPCAST:
         q = q.to(tl.float32)
     qk_scale = sm_scale * LOG2E
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # Two ranges of key blocks: those every row sees in full (no mask to compute), then those that
-    # need one. Causal: blocks before the query block, then the diagonal (later ones are skipped).
-    # Not causal: all complete blocks, then the partial one at the end (if T is not a multiple).
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running maximum, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of 2^(c·s − m)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # unnormalised output
+    # Causal: key blocks before the query block (all visible), then the diagonal (BLOCK_M is a
+    # multiple of BLOCK_N, so that is BLOCK_M / BLOCK_N whole key blocks); later ones are skipped.
+    # Not causal: all complete key blocks, then the partial one at the end (if T is not a multiple).
     if CAUSAL:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, offs_m, offs_d, 0, start_m, T, qk_scale,
                                    False, CAUSAL, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
@@ -226,14 +265,14 @@ def _attn_fwd(Q, K, V, O, LSE, T, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.c
                                    False, CAUSAL, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, offs_m, offs_d, n_full, T, T, qk_scale,
                                    True, CAUSAL, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
-    acc = acc / l_i[:, None]
+    # Normalise once at the end: one reciprocal per row, then multiplications.
+    acc = acc * (1.0 / l_i)[:, None]
     tl.store(O + row0 * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=row_ok[:, None])
-    # L = log Σ exp(s) in natural-log units: m_i and log2(l_i) are in log2 units.
-    tl.store(LSE + row0 + offs_m, (m_i + tl.log2(l_i)) / LOG2E, mask=row_ok)
+    tl.store(LSE + row0 + offs_m, m_i + tl.log2(l_i), mask=row_ok)  # log2 units: L₂ = L·log2 e
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _attn_bwd_delta(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """Δ = rowsum(dO ∘ O) for every row of every head: one pass before the main backward."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -248,36 +287,42 @@ def _attn_bwd_delta(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK_M: tl.co
 def _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, offs_n, offs_d, lo, hi, T, qk_scale,
                 MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Stream the query blocks in [lo, hi) past one key block, accumulating its dK and dV."""
+    """Stream the query blocks in [lo, hi) past one key block, accumulating its dK and dV.
+
+    Rows past the end read q = dO = L₂ = Δ = 0: their P is 1 but meets dO = 0 and dP − Δ = 0, so
+    they add nothing and need no mask beyond their loads. ``MASKED``: the causal diagonal."""
+    offs_m = lo + tl.arange(0, BLOCK_M)
+    q_offsets = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q_ptrs, do_ptrs = q_ptr + q_offsets, do_ptr + q_offsets
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < T
-        q_offsets = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        # Rows past the end read q = dO = L = Δ = 0: their P is 1 but meets dO = 0 and dP − Δ = 0,
-        # so they add nothing and need no mask.
-        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
         # Transposed scores (keys × queries), so dV and dK come out without further transposes.
-        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :] * LOG2E)
-        if MASKED:  # causal diagonal: query i sees key j only if i ≥ j
+        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+        if MASKED:  # query i sees key j only if i ≥ j
             p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+        do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+        if UPCAST:
+            do = do.to(tl.float32)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+        offs_m += BLOCK_M
+        q_ptrs += BLOCK_M * HEAD_DIM
+        do_ptrs += BLOCK_M * HEAD_DIM
     return dk, dv
 
 
-@triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, HEAD_DIM: tl.constexpr,
+@triton.jit(do_not_specialize=["T"])
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.constexpr,
                    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N  # this program's key block
+    start_n = tl.program_id(0) * BLOCK_N  # this program's key block (causal: the first ones have the most work)
     row0 = tl.program_id(1).to(tl.int64) * T
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -308,34 +353,42 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, sm_scale, HEAD_DIM: tl.co
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, lo, hi, T, qk_scale,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Stream the key blocks in [lo, hi) past one query block, accumulating its dQ."""
+    """Stream the key blocks in [lo, hi) past one query block, accumulating its dQ.
+
+    Keys past the end read k = v = 0: whatever their P, they add dS·k = 0, so only the causal
+    diagonal (``MASKED``) needs a mask on P."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    kv_offsets = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    k_ptrs, v_ptrs = k_ptr + kv_offsets, v_ptr + kv_offsets
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
         in_seq = offs_n < T
-        kv_offsets = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None] * LOG2E)
-        if MASKED:  # keys past the end (their P could overflow) and, if causal, future keys
-            visible = in_seq[None, :]
-            if CAUSAL:
-                visible = visible & (offs_m[:, None] >= offs_n[None, :])
-            p = tl.where(visible, p, 0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        offs_n += BLOCK_N
+        k_ptrs += BLOCK_N * HEAD_DIM
+        v_ptrs += BLOCK_N * HEAD_DIM
     return dq
 
 
-@triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M  # this program's query block
+@triton.jit(do_not_specialize=["T"])
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.constexpr,
+                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # as in the forward: the last query blocks have the most work, start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M  # this program's query block
     row0 = tl.program_id(1).to(tl.int64) * T
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -351,54 +404,230 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, sm_scale, HEAD_DIM: tl.constexp
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_ptr, v_ptr = K + row0 * HEAD_DIM, V + row0 * HEAD_DIM
     qk_scale = sm_scale * LOG2E
-    # The same two ranges of key blocks as the forward.
-    if CAUSAL:
+    if CAUSAL:  # key blocks before the query block, then the diagonal ones
         dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, 0, start_m, T, qk_scale,
-                       False, CAUSAL, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
+                       False, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
         dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, start_m,
-                       tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, CAUSAL, UPCAST, PRECISION,
-                       BLOCK_N, HEAD_DIM)
+                       tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
     else:
-        n_full = (T // BLOCK_N) * BLOCK_N
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, 0, n_full, T, qk_scale,
-                       False, CAUSAL, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, n_full, T, T, qk_scale,
-                       True, CAUSAL, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, 0, T, T, qk_scale,
+                       False, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
     dq = dq * sm_scale
     tl.store(DQ + q_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-# Block sizes. On a GPU, triton.autotune times each candidate on the first call for every new
-# (T, head dim, causal, dtype) and keeps the fastest. The forward and dQ kernels need BLOCK_M to be
-# a multiple of BLOCK_N, and the dK/dV kernel the reverse, so that a query block's diagonal
-# region is whole key blocks (and vice versa). The interpreter cannot time anything: it gets
-# fixed blocks, large because each block step costs Python overhead, yet small enough that short
-# test sequences (T = 48, 100) span several blocks, a partial one, and both loops of each kernel.
-def _configs(rows):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in rows]
+@triton.jit
+def _atomic_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, offs_n, offs_d, lo, n_blocks, first,
+                  T, sm_scale, qk_scale, MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Query blocks ``lo + i·BLOCK_M`` for i in [0, n_blocks), starting at block ``first`` and
+    wrapping around: dK and dV accumulate here, dQ's share is added to the fp32 DQ in memory."""
+    for i in range(0, n_blocks):
+        start_m = lo + ((i + first) % n_blocks) * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        q_offsets = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+        if MASKED:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        do = tl.load(do_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+        if UPCAST:
+            do = do.to(tl.float32)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
+        # The fifth matmul: this key block's share of dQ = dS·K·scale, added into memory. Many
+        # key blocks add to the same rows; "relaxed" asks for nothing beyond the additions themselves.
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * sm_scale
+        tl.atomic_add(dq_ptr + q_offsets, dq, mask=row_ok[:, None], sem="relaxed")
+    return dk, dv
 
 
-_AUTOTUNE_KEY = ["T", "HEAD_DIM", "CAUSAL"]
+@triton.jit(do_not_specialize=["T"])
+def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCKET, sm_scale,
+                     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FA-2's single backward kernel: one program per key block computes its dK and dV and adds
+    its share of dQ atomically into a float32 DQ (zeroed beforehand). Five matmuls per block pair
+    instead of the seven of the two-kernel split, at the price of atomic traffic and an order of
+    additions that varies from run to run (dQ is not bit-for-bit reproducible)."""
+    pid_n = tl.program_id(0)
+    start_n = pid_n * BLOCK_N
+    row0 = tl.program_id(1).to(tl.int64) * T
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < T
+    kv_offsets = row0 * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    k = tl.load(K + kv_offsets, mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + kv_offsets, mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_ptr, do_ptr, dq_ptr = Q + row0 * HEAD_DIM, DO + row0 * HEAD_DIM, DQ + row0 * HEAD_DIM
+    qk_scale = sm_scale * LOG2E
+    if CAUSAL:  # the diagonal query blocks (masked), then every later one; each program starts elsewhere
+        diag_end = tl.minimum(start_n + BLOCK_N, T)
+        dk, dv = _atomic_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, dq_ptr, offs_n, offs_d,
+                               start_n, (diag_end - start_n + BLOCK_M - 1) // BLOCK_M, 0, T, sm_scale, qk_scale,
+                               True, UPCAST, PRECISION, BLOCK_M, HEAD_DIM)
+        rest = tl.maximum(T - (start_n + BLOCK_N), 0)
+        dk, dv = _atomic_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, dq_ptr, offs_n, offs_d,
+                               start_n + BLOCK_N, (rest + BLOCK_M - 1) // BLOCK_M, 0, T, sm_scale, qk_scale,
+                               False, UPCAST, PRECISION, BLOCK_M, HEAD_DIM)
+    else:
+        # Without a mask every key block visits every query block. Were they all to start at query
+        # block 0, the programs of one head would add into the same dQ rows at the same moment;
+        # starting each at its own block spreads the atomics over the rows.
+        n_blocks = (T + BLOCK_M - 1) // BLOCK_M
+        dk, dv = _atomic_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, dq_ptr, offs_n, offs_d,
+                               0, n_blocks, pid_n % n_blocks, T, sm_scale, qk_scale,
+                               False, UPCAST, PRECISION, BLOCK_M, HEAD_DIM)
+    dk = dk * sm_scale
+    tl.store(DK + kv_offsets, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + kv_offsets, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Block sizes. On a GPU, triton.autotune times the candidates on the first call for every new key:
+# head dim, causal flag and dtype (which fix the compiled kernel), plus the sequence length and the
+# total number of rows, each rounded up to a power of two (so T = 1000 and T = 1024 share a choice,
+# and a tiny check does not pick the blocks for a big batch). A pruning function keeps only the
+# candidates meant for the head dim and dtype at hand, and only those whose tiles fit in shared
+# memory, so each kernel compiles and times at most seven.
+#
+# Tiling rules: the forward and dQ kernels need BLOCK_M to be a multiple of BLOCK_N, the dK/dV
+# kernels the reverse, so that the diagonal of a causal mask covers whole blocks.
+#
+# The interpreter cannot time anything: it gets fixed blocks, large because each block step
+# costs Python overhead, yet small enough that short test sequences (T = 48, 100) span several
+# blocks, a partial one, and every loop of each kernel.
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per group: head dim 128, 64, ≤ 32 (16-bit), float32,
+# the likeliest winners first (see AUTOTUNE_CANDIDATES). On Hopper a warp group (4 warps) issues one
+# 64-row tensor-core instruction (wgmma), so 128-row tiles take 8 warps at D = 128 (the
+# accumulator alone is 64 fp32 registers a thread) and 4 or 8 at D = 64; stages = how many K/V
+# tiles the software pipeline keeps in flight. The backward kernels hold two fp32 accumulators
+# (dK and dV, or dQ) plus a score tile and its gradient, so their streamed blocks are smaller (32
+# or 64 rows) where the accumulators are large.
+_FWD_CONFIGS = {
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 5),
+          (64, 64, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 4), (128, 64, 4, 5),
+         (64, 64, 4, 4)],
+    32: [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+    "fp32": [(64, 32, 4, 2)],
+}
+_DKDV_CONFIGS = {  # also the atomic backward's: one program per key block there too
+    128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
+    64: [(32, 128, 4, 4), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
+    32: [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3)],
+    "fp32": [(32, 64, 4, 2)],
+}
+_DQ_CONFIGS = {
+    128: [(128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    64: [(128, 32, 4, 4), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+    32: [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+    "fp32": [(64, 32, 4, 2)],
+}
+
+#: How many candidates of each list the autotuner tries (the first ones that fit); ``None``: all.
+#: Every candidate is compiled once per head dim, dtype and causal flag (about a second each), so
+#: a notebook with a time budget may lower it; ``python -m lmfs.bench attention`` tries them all.
+AUTOTUNE_CANDIDATES: int | None = None
+
+
+def _tune_group(head_dim: int, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return "fp32"
+    return 128 if head_dim >= 128 else 64 if head_dim >= 64 else 32
+
+
+def _smem_bytes(kernel: str, block_m: int, block_n: int, stages: int, head_dim: int, elem: int) -> int:
+    """Shared memory a candidate needs, roughly: the tiles loaded once per program plus ``stages``
+    copies of those streamed through the loop (Triton's pipeline keeps one buffer per stage)."""
+    if kernel in ("fwd", "dq"):  # Q (and dO) stay, K and V stream
+        resident, streamed = block_m * head_dim * (1 if kernel == "fwd" else 2), 2 * block_n * head_dim
+    else:  # dK/dV and atomic: K and V stay, Q and dO stream
+        resident, streamed = 2 * block_n * head_dim, 2 * block_m * head_dim
+    return elem * (resident + stages * streamed)
+
+
+def _pruner(kernel: str, table: dict):
+    """``early_config_prune`` for ``triton.autotune``: the candidates listed for this head dim and
+    dtype, less any whose tiles would not fit in one SM's shared memory."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        head_dim, dtype = args["HEAD_DIM"], args["Q"].dtype
+        limit = shared_memory_limit()
+        wanted = [row for row in table[_tune_group(head_dim, dtype)]
+                  if _smem_bytes(kernel, row[0], row[1], row[3], head_dim, dtype.itemsize) <= limit]
+        wanted = wanted[:AUTOTUNE_CANDIDATES]
+        by_row = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+        kept = [by_row[row] for row in wanted]
+        return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
+
+    return prune
+
+
+def _autotuned(kernel_fn, kernel: str, table: dict, reset_to_zero=None):
+    rows = sorted({row for group in table.values() for row in group})
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in rows]
+    return triton.autotune(configs, key=["T_BUCKET", "ROWS_BUCKET", "HEAD_DIM", "CAUSAL"],
+                           prune_configs_by={"early_config_prune": _pruner(kernel, table)},
+                           reset_to_zero=reset_to_zero, do_bench=autotune_bench)(kernel_fn)
+
+
 if INTERPRET:
-    _fwd, _dq, _dkdv = _attn_fwd, _attn_bwd_dq, _attn_bwd_dkdv
+    _fwd, _dq, _dkdv, _atomic = _attn_fwd, _attn_bwd_dq, _attn_bwd_dkdv, _attn_bwd_atomic
     _FWD_BLOCKS = _DQ_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 32}
-    _DKDV_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64}
+    _DKDV_BLOCKS = _ATOMIC_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64}
 else:
-    # (BLOCK_M, BLOCK_N, warps, pipeline stages): few candidates, because each one is compiled for
-    # every head dim, dtype and causal flag in use.
-    _fwd = triton.autotune(_configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]),
-                           key=_AUTOTUNE_KEY)(_attn_fwd)
-    _dq = triton.autotune(_configs([(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3)]),
-                          key=_AUTOTUNE_KEY)(_attn_bwd_dq)
-    _dkdv = triton.autotune(_configs([(32, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 3)]),
-                            key=_AUTOTUNE_KEY)(_attn_bwd_dkdv)
-    _FWD_BLOCKS = _DQ_BLOCKS = _DKDV_BLOCKS = {}
+    _fwd = _autotuned(_attn_fwd, "fwd", _FWD_CONFIGS)
+    _dkdv = _autotuned(_attn_bwd_dkdv, "dkdv", _DKDV_CONFIGS)
+    _dq = _autotuned(_attn_bwd_dq, "dq", _DQ_CONFIGS)
+    _atomic = _autotuned(_attn_bwd_atomic, "atomic", _DKDV_CONFIGS, reset_to_zero=["DQ"])
+    _FWD_BLOCKS = _DQ_BLOCKS = _DKDV_BLOCKS = _ATOMIC_BLOCKS = {}
+
+# The two backward schemes (flash_attention's ``backward`` argument):
+#   "split":  a dK/dV kernel over key blocks and a dQ kernel over query blocks; no two programs
+#             write the same output, so no atomics and bit-for-bit reproducible, but QKᵀ and
+#             dO·Vᵀ are computed twice: 7 matmuls per block pair.
+#   "atomic": one kernel over key blocks that also adds dQ's shares atomically in float32:
+#             5 matmuls, plus a float32 dQ buffer (zeroed, then cast) and atomic traffic.
+# "split" is the default: Triton's own fused-attention tutorial and PyTorch's FlexAttention take
+# it on Hopper; ``python -m lmfs.bench attention`` times both.
+BACKWARDS = ("split", "atomic")
+DEFAULT_BACKWARD = "split"
+
+
+def autotune_choices() -> dict[str, str]:
+    """The blocks, warps and stages each attention kernel used in its latest launch (on a GPU the
+    autotuner's choice for that shape; under the interpreter the fixed blocks)."""
+    kernels = {"fwd": (_fwd, _FWD_BLOCKS), "dkdv": (_dkdv, _DKDV_BLOCKS), "dq": (_dq, _DQ_BLOCKS),
+               "atomic": (_atomic, _ATOMIC_BLOCKS)}
+    return {name: config_str(getattr(kernel, "best_config", None) if not INTERPRET else blocks)
+            for name, (kernel, blocks) in kernels.items()}
 
 
 def _precision(dtype: torch.dtype) -> str:
     # fp32 operands: exact fp32 products ("ieee"); Triton's default would round them to TF32.
     # 16-bit operands go to the tensor cores as they are; the setting does not apply to them.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _tune_keys(B: int, H: int, T: int) -> tuple[int, int]:
+    """The autotuner's shape key: T and the total number of rows B·H·T, each rounded up to a power
+    of two (at least 1024 and 16384): a new key costs a round of timing, not a compilation."""
+    return max(1024, triton.next_power_of_2(T)), max(16384, triton.next_power_of_2(B * H * T))
 
 
 def _check_inputs(fn: str, q, k, v) -> None:
@@ -411,56 +640,75 @@ def _check_inputs(fn: str, q, k, v) -> None:
 
 
 def _flash_forward(q, k, v, causal: bool, scale: float):
+    """``(O, L₂)`` with the log-sum-exp in log2 units; ``scale`` ≥ 0 (see :func:`_signed`)."""
     B, H, T, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd[grid](q, k, v, o, lse, T, scale, HEAD_DIM=D, CAUSAL=causal, UPCAST=INTERPRET,
+    _fwd[grid](q, k, v, o, lse, T, *_tune_keys(B, H, T), scale, HEAD_DIM=D, CAUSAL=causal, UPCAST=INTERPRET,
                PRECISION=_precision(q.dtype), **_FWD_BLOCKS)
     return o, lse
 
 
-def _flash_backward(q, k, v, o, lse, do, causal: bool, scale: float):
+def _flash_backward(q, k, v, o, lse, do, causal: bool, scale: float, backward: str):
     B, H, T, D = q.shape
     delta = torch.empty_like(lse)
     _attn_bwd_delta[(triton.cdiv(B * H * T, 64),)](o, do, delta, B * H * T, HEAD_DIM=D, BLOCK_M=64)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     common = dict(HEAD_DIM=D, CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype))
-    _dkdv[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)](
-        q, k, v, do, lse, delta, dk, dv, T, scale, **common, **_DKDV_BLOCKS)
+    keys = _tune_keys(B, H, T)
+    by_key_block = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
+    if backward == "atomic":
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # the atomics add into it
+        _atomic[by_key_block](q, k, v, do, lse, delta, dk, dv, dq, T, *keys, scale, **common, **_ATOMIC_BLOCKS)
+        return dq.to(q.dtype), dk, dv
+    dq = torch.empty_like(q)
+    _dkdv[by_key_block](q, k, v, do, lse, delta, dk, dv, T, *keys, scale, **common, **_DKDV_BLOCKS)
     _dq[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, scale, **common, **_DQ_BLOCKS)
+        q, k, v, do, lse, delta, dq, T, *keys, scale, **common, **_DQ_BLOCKS)
     return dq, dk, dv
+
+
+def _signed(k: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """The kernels take a scale ≥ 0 (they scale the maximum of the raw scores); softmax(Q·Kᵀ·s) =
+    softmax(Q·(−K)ᵀ·|s|) covers a negative one, at the cost of one negated copy of K."""
+    return (-k, -scale) if scale < 0 else (k, scale)
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
+    def forward(ctx, q, k, v, causal, scale, backward):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _flash_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)  # O and L, not the T×T probabilities
-        ctx.causal, ctx.scale = causal, scale
+        k_used, scale_used = _signed(k, scale)
+        o, lse = _flash_forward(q, k_used, v, causal, scale_used)
+        ctx.save_for_backward(q, k_used, v, o, lse)  # O and L, not the T×T probabilities
+        ctx.causal, ctx.scale, ctx.backward, ctx.negated = causal, scale_used, backward, k_used is not k
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_backward(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _flash_backward(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale, ctx.backward)
+        return dq, (-dk if ctx.negated else dk), dv, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    sm_scale: float | None = None) -> torch.Tensor:
+                    sm_scale: float | None = None, backward: str = DEFAULT_BACKWARD) -> torch.Tensor:
     """FlashAttention-2 in Triton: ``softmax(Q·Kᵀ·sm_scale [+ causal mask])·V``, differentiable.
 
     ``q, k, v``: ``(B, H, T, D)`` with one shape, on a CUDA GPU (or the CPU under Triton's
     interpreter), float32/float16/bfloat16, ``D`` in 16, 32, 64, 128; any ``T``.
     ``sm_scale`` defaults to ``1/√D``. Same result as
-    ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)``.
+    ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)``. ``backward`` picks the
+    gradient kernels: ``"split"`` (dK/dV and dQ in two kernels, reproducible) or ``"atomic"``
+    (one kernel, dQ by float32 atomic additions: fewer matmuls, not bit-for-bit reproducible).
     """
     _check_inputs("flash_attention", q, k, v)
+    if backward not in BACKWARDS:
+        raise ValueError(f"flash_attention: backward must be one of {', '.join(map(repr, BACKWARDS))}, "
+                         f"got {backward!r}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, causal, scale)
+    return _FlashAttention.apply(q, k, v, causal, scale, backward)
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -469,4 +717,6 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     log-sum-exp of each row's scaled scores, the one number per row the backward keeps."""
     _check_inputs("flash_attention", q, k, v)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    k_used, scale_used = _signed(k.contiguous(), scale)
+    o, lse2 = _flash_forward(q.contiguous(), k_used, v.contiguous(), causal, scale_used)
+    return o, lse2 * math.log(2.0)  # the kernel keeps it in log2 units

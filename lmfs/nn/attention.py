@@ -16,11 +16,13 @@ One module, :class:`CausalSelfAttention`, covers:
 Two implementations of the same maths: :func:`attention_reference` spells out
 ``softmax(QKᵀ/√d + mask)V``; the fast path calls ``F.scaled_dot_product_attention`` (fused
 kernels, FlashAttention on GPUs). The fast path has no soft-cap, so soft-capping always takes the
-reference path.
+reference path. On CUDA, ``config.sdpa_backend`` may ask SDPA to try one of its kernels first
+(:func:`sdpa_preference`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING
 
@@ -28,12 +30,36 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmfs.nn.layers import Linear, RMSNorm, make_norm
+from lmfs.nn.layers import Linear, RMSNorm, make_norm, project
 from lmfs.nn.positions import RotaryEmbedding
 
 if TYPE_CHECKING:
     from lmfs.nn.config import TransformerConfig
+
+# SDPA's kernels on CUDA, in the order torch tries them on Hopper/Blackwell with a recent cuDNN.
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def prefer_sdpa_backend(backend: str):
+    """A context in which SDPA tries ``backend`` (a key of :data:`SDPA_BACKENDS`) first.
+
+    Every backend stays enabled, in the order above after the preferred one, so a call the
+    preferred kernel cannot serve (a head dimension it lacks, a GPU without it) falls back
+    silently instead of failing. ``torch.compile`` traces the context and bakes the chosen
+    kernel, forward and backward, into the graph.
+    """
+    first = SDPA_BACKENDS[backend]
+    return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
+
+
+def sdpa_preference(backend: str, device: torch.device):
+    """:func:`prefer_sdpa_backend` on CUDA; nothing (SDPA's own choice) for ``"auto"`` or elsewhere."""
+    if backend == "auto" or device.type != "cuda":
+        return contextlib.nullcontext()
+    return prefer_sdpa_backend(backend)
 
 
 def causal_mask(T: int, window: int | None = None, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -90,6 +116,7 @@ class CausalSelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads = config.n_heads, config.kv_heads
         self.window, self.softcap, self.impl = config.window, config.attn_softcap, config.attn_impl
         self.mla = config.attention == "mla"
+        self.fused, self.sdpa_backend = config.fused_projections, config.sdpa_backend
 
         self.q_proj = Linear(d, self.n_heads * hd, config.bias)
         kv_in = d
@@ -107,8 +134,13 @@ class CausalSelfAttention(nn.Module):
                      if config.positions == "rope" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kv_in = self.kv_norm(self.kv_down(x)) if self.mla else x
-        return self.o_proj(self.heads(self.q_proj(x), self.k_proj(kv_in), self.v_proj(kv_in)))
+        # Projections that read the same input run as one matmul under autocast (layers.project).
+        if self.mla:
+            q, latent = project(x, (self.q_proj, self.kv_down), self.fused)
+            k, v = project(self.kv_norm(latent), (self.k_proj, self.v_proj), self.fused)
+        else:
+            q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)
+        return self.o_proj(self.heads(q, k, v))
 
     def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Projected ``(B, T, H·d)`` queries, keys and values -> attended ``(B, T, H·d)``:
@@ -130,9 +162,11 @@ class CausalSelfAttention(nn.Module):
         """Causal attention of ``(B, H, T, d)`` heads, by the path ``config.attn_impl`` picks."""
         T = q.shape[-2]
         if self.impl == "sdpa" and self.softcap is None:
-            if self.window is None:  # is_causal lets the kernel skip masked blocks entirely
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            mask = causal_mask(T, self.window, q.device, q.dtype)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # getattr: TensorParallelAttention shares this method and may not carry the setting.
+            with sdpa_preference(getattr(self, "sdpa_backend", "auto"), q.device):
+                if self.window is None:  # is_causal lets the kernel skip masked blocks entirely
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                mask = causal_mask(T, self.window, q.device, q.dtype)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         mask = causal_mask(T, self.window, q.device, q.dtype)
         return attention_reference(q, k, v, mask, self.softcap)

@@ -14,6 +14,7 @@ CHOICES = {
     "positions": POSITION_KINDS,
     "attention": ("mha", "mla"),
     "attn_impl": ("sdpa", "reference"),
+    "sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math"),
 }
 
 
@@ -56,6 +57,9 @@ class TransformerConfig:
     bias: bool = False                  # biases in the linear layers (never in the output head)
     init_std: float = 0.02
     attn_impl: str = "sdpa"             # "sdpa" (fused) | "reference"; attn_softcap forces reference
+    # How the model runs, not what it computes (same parameters, same function):
+    fused_projections: bool = True      # under autocast, q/k/v (and gate/up) as one matmul each
+    sdpa_backend: str = "auto"          # CUDA: SDPA kernel to try first; "auto": torch's own order
 
     def __post_init__(self):
         problems = self.problems()

@@ -13,6 +13,7 @@ from torch import nn
 from lmfs.nn.attention import CausalSelfAttention
 from lmfs.nn.config import TransformerConfig
 from lmfs.nn.layers import Embedding, Linear, make_ffn, make_norm
+from lmfs.nn.loss import linear_cross_entropy
 from lmfs.nn.positions import make_absolute_positions
 
 
@@ -35,7 +36,7 @@ class Block(nn.Module):
         self.position = config.norm_position
         self.parallel = config.parallel
         self.attn = CausalSelfAttention(config)
-        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias)
+        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias, config.fused_projections)
         branches = 1 if config.parallel else 2
         # norms[i]: the input norm of branch i (pre, double), or the norm after its sum (post).
         self.norms = nn.ModuleList(
@@ -107,15 +108,22 @@ class TransformerLM(nn.Module):
         """
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, return_logits: bool = True):
         """Return ``(logits, loss)``; ``loss`` is ``None`` without ``targets``.
 
         ``idx`` and ``targets`` are integer ``(B, T)`` with ``T <= context_length``. The loss is the
         mean cross-entropy over targets that are not ``-100`` (the ignore index), plus
         ``z_loss · mean(logsumexp(logits)²)`` when ``config.z_loss > 0``, which keeps the softmax
         normaliser near 1 and the logits from drifting (PaLM).
+
+        With targets and ``return_logits=False`` the result is ``(None, loss)``: the head and the
+        loss then run chunk by chunk (:func:`lmfs.nn.loss.linear_cross_entropy`) and the
+        ``(B, T, vocab)`` logits are never kept, the same loss in far less memory.
         """
         self._check_input(idx, targets)
+        if not return_logits and targets is None:
+            raise ValueError("return_logits=False only applies with targets: without them the logits "
+                             "are the only output")
         x = self.tok_emb(idx)  # (B, T, d_model)
         if self.pos_emb is not None:
             x = x + self.pos_emb(idx.shape[1])
@@ -123,6 +131,10 @@ class TransformerLM(nn.Module):
             x = block(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if not return_logits:
+            head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+            return None, linear_cross_entropy(x, head, targets, z_loss=self.config.z_loss,
+                                              softcap=self.config.logit_softcap)
         logits = x @ self.tok_emb.weight.T if self.lm_head is None else self.lm_head(x)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap
