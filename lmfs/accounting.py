@@ -163,7 +163,7 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
     ``4·H·T`` per token, plus its bf16 copy ``a·H·T`` under autocast: the ``T²`` memory that
     FlashAttention avoids. RoPE adds four ``(T, head_dim)`` cos/sin tables per layer.
 
-    With ``config.fused_projections`` (the default), autocast runs q/k/v, and a gated MLP's gate
+    With ``config.fused_projections`` (off by default), autocast runs q/k/v, and a gated MLP's gate
     and up, as one matmul each (:func:`lmfs.nn.layers.project`): one cast of the input instead of
     three (two), ``a·d`` each. The q/k/v output is then one tensor, and q, k, v are views of it;
     a view kept for the backward pass keeps all of it, ``a·(H + 2·H_kv)·d_head``. With RoPE (which

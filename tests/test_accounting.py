@@ -130,12 +130,12 @@ def test_memory_breakdown_adds_up_and_checkpointing_saves():
                               + plain["activations"] + plain["logits"])
     assert ckpt["activations"] < plain["activations"] / 5 and ckpt["recompute"] > 0
     assert ckpt["total"] < plain["total"]
-    # Per layer and token: 32·d + 8·f + 4·H + 8 bytes for a SwiGLU block under bf16 autocast,
-    # 34·d + ... when each projection casts its own copy of the input.
+    # Per layer and token: 34·d + 8·f + 4·H + 8 bytes for a SwiGLU block under bf16 autocast
+    # (each projection casts its own copy of the input), 32·d + ... with fused projections.
     rope = 4 * 1024 * 64 * 2
-    assert activation_bytes_per_layer(config, 8, 1024) == 8 * 1024 * (32 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
-    assert activation_bytes_per_layer(gpt2_small(fused_projections=False), 8, 1024) == 8 * 1024 * (
-        34 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
+    assert activation_bytes_per_layer(config, 8, 1024) == 8 * 1024 * (34 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
+    assert activation_bytes_per_layer(gpt2_small(fused_projections=True), 8, 1024) == 8 * 1024 * (
+        32 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
     with pytest.raises(ValueError, match="norm_position='post'"):
         training_memory(tiny(norm_position="post"), 1, 8)
     with pytest.raises(ValueError, match="unknown optimizer"):

@@ -464,7 +464,7 @@ def test_fused_projections_under_autocast_equal_separate_ones(overrides, monkeyp
     calls = []
     real = layers.fused_linear
     monkeypatch.setattr(layers, "fused_linear", lambda x, ls: calls.append(len(ls)) or real(x, ls))
-    fused = model_of(tiny(**overrides))
+    fused = model_of(tiny(fused_projections=True, **overrides))
     plain = model_of(tiny(fused_projections=False, **overrides))
     plain.load_state_dict(fused.state_dict())  # the switch changes no parameter
     idx = tokens()
@@ -486,7 +486,7 @@ def test_fused_projections_leave_fp32_untouched(monkeypatch):
     import lmfs.nn.layers as layers
 
     monkeypatch.setattr(layers, "fused_linear", lambda *a: pytest.fail("fp32 needs no stacked copy"))
-    model = model_of(tiny())
+    model = model_of(tiny(fused_projections=True))
     plain = model_of(tiny(fused_projections=False))
     idx = tokens()
     torch.testing.assert_close(model(idx, idx)[1], plain(idx, idx)[1], rtol=0, atol=0)
