@@ -166,9 +166,10 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # a few lengths: each new one re-times the candidates (~1 s), the kernels are compiled once
             attn_seq_lens=(1024, 4096, 8192), attn_head_dims=(128,), attn_tokens=16384, attn_heads=16,
             attn_backwards=("split",),     # the default backward only; `python -m lmfs.bench attention` times both
-            # the first 3 autotuning candidates per kernel (of up to 7): 18 compiled attention kernels
-            # instead of 30 for D = 128, causal and not, about 15 s less of the two-minute budget
-            attn_autotune_candidates=3,
+            # the first 2 autotuning candidates per kernel (of up to 7; the H200's winners come
+            # first): 12 compiled attention kernels instead of 30 for D = 128, causal and not. The
+            # notebook took 136 s on a fresh H200 with 3 (45 s of it building the CUDA GeLU once).
+            attn_autotune_candidates=2,
         ),
     },
     "07": {

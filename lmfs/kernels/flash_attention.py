@@ -511,7 +511,8 @@ def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCK
 # blocks, a partial one, and every loop of each kernel.
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per group: head dim 128, 64, ≤ 32 (16-bit), float32,
-# the likeliest winners first (see AUTOTUNE_CANDIDATES). On Hopper a warp group (4 warps) issues one
+# the likeliest winners first (see AUTOTUNE_CANDIDATES): the first entries are what the autotuner
+# chose on an H200 (triton 3.6, bf16, T = 1k-16k, 2026-11-30; the README's attention table). On Hopper a warp group (4 warps) issues one
 # 64-row tensor-core instruction (wgmma), so 128-row tiles take 8 warps at D = 128 (the
 # accumulator alone is 64 fp32 registers a thread) and 4 or 8 at D = 64; stages = how many K/V
 # tiles the software pipeline keeps in flight. The backward kernels hold two fp32 accumulators
@@ -520,20 +521,20 @@ def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCK
 _FWD_CONFIGS = {
     128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 5),
           (64, 64, 4, 3)],
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 4), (128, 64, 4, 5),
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 4), (128, 64, 4, 5),
          (64, 64, 4, 4)],
     32: [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
     "fp32": [(64, 32, 4, 2)],
 }
 _DKDV_CONFIGS = {  # also the atomic backward's: one program per key block there too
-    128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
-    64: [(32, 128, 4, 4), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
+    128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+    64: [(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 3)],
     32: [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3)],
     "fp32": [(32, 64, 4, 2)],
 }
 _DQ_CONFIGS = {
-    128: [(128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-    64: [(128, 32, 4, 4), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
+    64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3)],
     32: [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     "fp32": [(64, 32, 4, 2)],
 }
