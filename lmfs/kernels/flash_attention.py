@@ -318,6 +318,20 @@ def _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, offs_n, offs_d,
     return dk, dv
 
 
+@triton.jit
+def _load_block_pair(A, B, row0, offs, offs_d, T, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``offs`` of one head from two ``(…, T, HEAD_DIM)`` tensors (a backward program's K and
+    V block, or Q and dO block), zeros past ``T``; with the offsets and row mask to store through."""
+    ok = offs < T
+    offsets = row0 * HEAD_DIM + offs[:, None] * HEAD_DIM + offs_d[None, :]
+    a = tl.load(A + offsets, mask=ok[:, None], other=0.0)
+    b = tl.load(B + offsets, mask=ok[:, None], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b, offsets, ok
+
+
 @triton.jit(do_not_specialize=["T"])
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.constexpr,
                    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -326,13 +340,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, T_BUCKET, ROWS_BUCKET, sm
     row0 = tl.program_id(1).to(tl.int64) * T
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < T
-    kv_offsets = row0 * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    k = tl.load(K + kv_offsets, mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + kv_offsets, mask=key_ok[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v, kv_offsets, key_ok = _load_block_pair(K, V, row0, offs_n, offs_d, T, UPCAST, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_ptr, do_ptr = Q + row0 * HEAD_DIM, DO + row0 * HEAD_DIM
@@ -392,13 +400,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, T_BUCKET, ROWS_BUCKET, sm_scale
     row0 = tl.program_id(1).to(tl.int64) * T
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < T
-    q_offsets = row0 * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + q_offsets, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_offsets, mask=row_ok[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q, do, q_offsets, row_ok = _load_block_pair(Q, DO, row0, offs_m, offs_d, T, UPCAST, HEAD_DIM)
     lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -462,13 +464,7 @@ def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCK
     row0 = tl.program_id(1).to(tl.int64) * T
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n < T
-    kv_offsets = row0 * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    k = tl.load(K + kv_offsets, mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + kv_offsets, mask=key_ok[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v, kv_offsets, key_ok = _load_block_pair(K, V, row0, offs_n, offs_d, T, UPCAST, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_ptr, do_ptr, dq_ptr = Q + row0 * HEAD_DIM, DO + row0 * HEAD_DIM, DQ + row0 * HEAD_DIM
