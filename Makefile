@@ -34,8 +34,11 @@ lab: venv
 	$(BIN)/jupyter lab --allow-root --no-browser --ip=127.0.0.1 --notebook-dir=lectures
 
 # Unit tests and notebooks together; pytest exit code 5 (nothing collected) is a failure.
+# One intra-op thread per process: the xdist workers, the notebook kernels and the ranks that the
+# parallel tests start share the cores; with torch's default of one thread per core each, they
+# oversubscribe them (a smoke lecture took 140 s instead of 15 s next to the gloo tests).
 test: venv
-	@LMFS_SCALE=$(TEST_SCALE) LMFS_DEVICE=$(DEVICE) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
+	@OMP_NUM_THREADS=1 LMFS_SCALE=$(TEST_SCALE) LMFS_DEVICE=$(DEVICE) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
 	  --nbval-lax --durations=15 -p no:cacheprovider tests lectures; \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
