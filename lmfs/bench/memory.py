@@ -61,6 +61,22 @@ class TensorMemory(TorchDispatchMode):
         return out
 
 
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps in its state (Adam's two moments, its step counts, ...)."""
+    return [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: a view counts as its whole base, once,
+    however many views of it are passed; a DTensor (FSDP2) counts as its local shard."""
+    seen = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def step_peak(step: Callable[[], object], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               *batch: torch.Tensor) -> int:
     """Peak tensor bytes of one call of a training ``step``, after an untracked first call.
@@ -69,7 +85,6 @@ def step_peak(step: Callable[[], object], model: torch.nn.Module, optimizer: tor
     optimizer state and ``batch`` from the start, plus everything the step makes.
     """
     step()
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    with TensorMemory([*model.parameters(), *state, *batch]) as mem:
+    with TensorMemory([*model.parameters(), *optimizer_tensors(optimizer), *batch]) as mem:
         step()
     return mem.peak

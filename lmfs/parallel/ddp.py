@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmfs.bench.memory import optimizer_tensors, storage_bytes
 from lmfs.nn import TransformerConfig, TransformerLM
 from lmfs.parallel import comm
 from lmfs.parallel.launch import device_for
@@ -110,19 +111,9 @@ def memory_report(model: nn.Module, optimizer) -> dict[str, int]:
     (activations and temporary buffers included).
     """
     params = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
-    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-
-    def storage_bytes(tensors) -> int:
-        seen = {}
-        for t in tensors:
-            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2): its local shard
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        return sum(seen.values())
-
     out = {"params": storage_bytes(params),
            "grads": storage_bytes([p.grad for p in params if p.grad is not None]),
-           "optimizer": storage_bytes(states)}
+           "optimizer": storage_bytes(optimizer_tensors(optimizer))}
     out["total"] = sum(out.values())
     if params and params[0].is_cuda:
         out["peak_allocated"] = torch.cuda.max_memory_allocated(params[0].device)
@@ -153,13 +144,17 @@ def _trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def _sync_used(used: torch.Tensor, group) -> list[bool]:
-    """Which parameters got a gradient on *some* rank (an all-reduce of 0/1 flags).
+def _sync_used(has_grad: list[bool], enabled: bool, device, group) -> list[bool]:
+    """Which parameters got a gradient on *some* rank (an all-reduce of 0/1 flags); without
+    ``enabled`` (``find_unused_parameters`` off) every parameter counts as used, with no traffic.
 
     A parameter unused on one rank (say, an expert no token of its slice picked) must still take
     part in the average, as zeros; one unused everywhere keeps ``grad = None``, as it would in a
     single process, so the optimizer skips it rather than applying weight decay to it.
     """
+    if not enabled:
+        return [True] * len(has_grad)
+    used = torch.tensor([float(h) for h in has_grad], device=device)
     comm.all_reduce(used, group=group)
     return [u > 0 for u in used.tolist()]
 
@@ -186,10 +181,8 @@ class NaiveDDP(nn.Module):
     def finish_gradient_sync(self):
         """Average every gradient over the ranks: one blocking all-reduce per parameter."""
         n = dist.get_world_size(self.group)
-        anyone_used = [True] * len(self.params)
-        if self.find_unused_parameters:
-            used = torch.tensor([float(p.grad is not None) for p in self.params], device=self.params[0].device)
-            anyone_used = _sync_used(used, self.group)
+        anyone_used = _sync_used([p.grad is not None for p in self.params], self.find_unused_parameters,
+                                 self.params[0].device, self.group)
         for p, anyone in zip(self.params, anyone_used):
             if not anyone:
                 continue
@@ -325,10 +318,8 @@ class DDP(nn.Module):
         """Wait for the bucket all-reduces and hand the averaged gradients back to the parameters."""
         self.buckets.finish()
         pairs = [(b, i) for b in self.buckets.buckets for i in range(len(b.params))]
-        anyone_used = [True] * len(pairs)
-        if self.find_unused_parameters:
-            used = torch.tensor([float(i in b.seen) for b, i in pairs], device=self.params[0].device)
-            anyone_used = _sync_used(used, self.group)
+        anyone_used = _sync_used([i in b.seen for b, i in pairs], self.find_unused_parameters,
+                                 self.params[0].device, self.group)
         for (b, i), anyone in zip(pairs, anyone_used):
             b.params[i].grad = b.grad_view(i) if anyone else None
         self.buckets.reset()  # the parameters' grad views keep the buffers alive

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from lmfs.bench import save_json
 from lmfs.bench.timing import benchmark, profile_table
+from lmfs.bench.train import gpt2_small, tiny
 from lmfs.parallel.ddp import DDP, build_model, memory_report
 from lmfs.parallel.launch import device_for, run
 from lmfs.parallel.zero import FullyShardedModel
@@ -123,8 +124,6 @@ def _measure(strategy: str, config, x, y, device, steps: int, warmup: int, bucke
 def throughput_worker(rank: int, world_size: int, strategies=STRATEGIES, batch_size: int = 8,
                       steps: int = 20, warmup: int = 5, bucket_size_mb: float = 25, profile=()) -> dict:
     """Rank function: every strategy in turn on this rank's own random batch."""
-    from lmfs.bench.train import gpt2_small, tiny
-
     device = device_for(rank)
     config = gpt2_small() if device.type == "cuda" else tiny()
     g = torch.Generator().manual_seed(1000 + rank)
@@ -205,8 +204,6 @@ def main(argv=None) -> dict:
         print(f"fewer than {args.world_size} GPUs: a tiny model on CPU processes (gloo), to exercise the code")
     per_rank = run(throughput_worker, args.world_size, strategies, batch, steps, warmup, args.bucket_mb,
                    tuple(args.profile.split(",")), timeout=900)
-    from lmfs.bench.train import gpt2_small, tiny
-
     config = gpt2_small() if on_gpus else tiny()
     rows = summarise(per_rank, args.world_size, batch, config.context_length)
     device = torch.cuda.get_device_name(0) if on_gpus else "CPU (gloo)"
