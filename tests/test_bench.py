@@ -52,11 +52,30 @@ def test_benchmark_rejects_bad_arguments():
 def test_profile_table_lists_what_ran():
     x = torch.randn(64, 64, device="cuda" if torch.cuda.is_available() else "cpu")
     table = profile_table(lambda: torch.tanh(x @ x) + 1, warmup=1, repeats=2)
-    assert list(table.columns) == ["name", "calls", "total_us", "mean_us", "share"]
+    assert list(table.columns) == ["name", "calls", "total_us", "mean_us", "share", "kind"]
     assert len(table) > 0 and (table["total_us"] >= 0).all()
     assert table["share"].sum() <= 1 + 1e-9
+    kinds = table.attrs["kinds_us"]  # every row counted once, in one kind
+    assert sum(kinds.values()) == pytest.approx(table["total_us"].sum() / table["share"].sum())
+    assert kinds["matmul"] > 0  # x @ x
     if not torch.cuda.is_available():
         assert any("aten::" in name for name in table["name"])
+
+
+def test_kernel_kinds_of_names_seen_on_an_h200():
+    from lmfs.bench.timing import kernel_kind
+
+    seen = {  # from the training benchmark's profile (torch 2.11, CUDA 13, cuDNN 9.19)
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1": "attention",
+        "_attn_fwd": "attention",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>": "optimizer",
+        "triton_poi_fused__scaled_dot_product_cudnn_attention_permute_3": "other",  # a copy named after its op
+        "triton_per_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_6": "other",
+        "Memset (Device)": "other",
+    }
+    assert {name: kernel_kind(name) for name in seen} == seen
 
 
 # ----------------------------------------------------------------------------------------------

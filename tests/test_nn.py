@@ -79,6 +79,20 @@ def test_rope_pairs_dim_i_with_i_plus_half():
     torch.testing.assert_close(y.norm(), torch.tensor(1.0))
 
 
+def test_rotary_tables_are_cached_float32_and_match_on_the_fly_angles():
+    from lmfs.nn import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, max_positions=12)
+    assert "cos" not in rope.state_dict()  # not saved: recomputed from the config
+    x = torch.randn(2, 3, 20, 16)
+    for T in (12, 20):  # within the table, and past it (computed on the fly)
+        cos, sin = rope_angles(torch.arange(T), 16)
+        torch.testing.assert_close(rope(x[:, :, :T]), apply_rope(x[:, :, :T], cos, sin))
+    rope.to(torch.bfloat16)  # a model cast must not round the tables
+    assert rope.cos.dtype == torch.float32
+    torch.testing.assert_close(rope.cos, rope_angles(torch.arange(12), 16)[0], rtol=0, atol=0)
+
+
 def test_sinusoidal_table_formula():
     table = sinusoidal_table(10, 8)
     p, i = 7, 2

@@ -117,7 +117,11 @@ def profile_table(fn: Callable[[], object], warmup: int = 2, repeats: int = 5, r
             torch.cuda.synchronize()
     events = prof.key_averages()
     if cuda:  # kernels (and memcpy/memset) are the events on the GPU's timeline
-        rows = [(e.key, e.count, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+        # ... and so are user annotations (``record_function`` ranges such as the optimizer's
+        # "Optimizer.step#AdamW.step"), which span kernels already listed: leave them out.
+        ranges = {e.name for e in prof.events() if getattr(e, "is_user_annotation", False)}
+        rows = [(e.key, e.count, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA
+                and e.key not in ranges and "#" not in e.key and not e.key.startswith("## ")]
     else:
         rows = [(e.key, e.count, e.self_cpu_time_total) for e in events if e.self_cpu_time_total > 0]
     table = pd.DataFrame(rows, columns=["name", "calls", "total_us"])
@@ -125,6 +129,42 @@ def profile_table(fn: Callable[[], object], warmup: int = 2, repeats: int = 5, r
     table["total_us"] = table["total_us"] / repeats
     table["mean_us"] = table["total_us"] / table["calls"]
     table["share"] = table["total_us"] / table["total_us"].sum()
+    table["kind"] = [kernel_kind(name) for name in table["name"]]
+    # Totals per kind over every row, before the table is cut to its longest ``row_limit`` rows.
+    kinds = table.groupby("kind")["total_us"].sum()
     table = table.sort_values("total_us", ascending=False).head(row_limit).reset_index(drop=True)
     table.attrs["where"] = "GPU kernels" if cuda else "CPU operators"
+    table.attrs["kinds_us"] = {kind: float(kinds.get(kind, 0.0)) for kind in KERNEL_KINDS}
     return table
+
+
+#: What :func:`kernel_kind` sorts kernels into, and the name fragments (lower case) that decide it,
+#: tried in this order. Matrix multiplications come from cuBLAS (``nvjet_*`` on Hopper with CUDA
+#: 12.8+, ``sm90_xmma_gemm_*``, ``cutlass_*``, ``ampere_*gemm*``) or from Triton templates that
+#: ``torch.compile(mode="max-autotune")`` generates (``triton_tem_*mm*``); attention from cuDNN
+#: (``*sdpa*``, ``*fmha*``), FlashAttention (``flash``), memory-efficient attention or
+#: our Triton kernels (``attention``, ``attn``); the optimizer from torch's foreach/fused kernels
+#: (``multi_tensor_apply``, ``adam``). The rest (``other``) is element-wise and reduction work:
+#: norms, activations, RoPE, casts, the loss, copies.
+KERNEL_KINDS = {
+    "attention": ("sdpa", "fmha", "flash", "attention", "attn"),
+    "matmul": ("gemm", "nvjet", "xmma", "cutlass", "matmul", "triton_tem", "splitk", "::mm", "addmm", "bmm"),
+    "optimizer": ("multi_tensor", "adam", "foreach"),
+    "other": (),
+}
+
+
+def kernel_kind(name: str) -> str:
+    """``"attention"``, ``"matmul"``, ``"optimizer"`` or ``"other"`` for a GPU kernel's name
+    (see :data:`KERNEL_KINDS`).
+
+    >>> kernel_kind("nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_NNT"), kernel_kind("triton_red_fused_add_0")
+    ('matmul', 'other')
+    """
+    lower = name.lower()
+    if lower.startswith(("triton_poi", "triton_red", "triton_per")):  # Inductor's fused element-wise and
+        return "other"  # reduction kernels, named after the operators they fuse (even "..._attention_...")
+    for kind, fragments in KERNEL_KINDS.items():
+        if any(fragment in lower for fragment in fragments):
+            return kind
+    return "other"

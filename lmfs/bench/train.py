@@ -37,6 +37,11 @@ optimizer, autocast and compile mode; they differ in the model's own code paths 
   (``config.fused_projections``) made the step 11% slower, so it is off by default.
 
 The table gives each variant's tokens/s relative to ``hf`` and to ``baseline`` when those ran.
+``--profile`` adds each variant's kernel table and a summary of GPU time per step by kind of
+kernel (matmul, attention, optimizer, other; :func:`lmfs.bench.timing.kernel_kind`), with the
+gaps in between, and the most any model could gain over ``hf`` while running the same matmuls
+and attention (see :func:`report_kernel_kinds`). That table found the cost the RoPE tables had
+when computed inside the compiled step (:class:`lmfs.nn.RotaryEmbedding`).
 Every compiled variant costs a compilation (about 40 s for this model on an H200); dynamo is
 reset before each, so none reuses or recompiles another's graphs.
 
@@ -324,12 +329,13 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
                    peak_memory=peak_memory(step, device), first_step_s=first_step_s,
                    recompiled=recompiled, **dataclasses.asdict(variant))
         if profile:
-            table = profile_table(step, warmup=1, repeats=3, row_limit=15)
+            table = profile_table(step, warmup=1, repeats=3, row_limit=40)
             print(f"\n{variant.name}: {variant.describe()}; {table.attrs['where']} per step")
-            print(table.to_string(index=False, formatters={"total_us": "{:,.0f}".format,
+            print(table.to_string(index=False, formatters={"name": lambda n: n[:100], "total_us": "{:,.0f}".format,
                                                            "mean_us": "{:,.1f}".format,
                                                            "share": "{:.1%}".format}))
             out["profile"] = table.to_dict(orient="records")
+            out["kernel_ms"] = {kind: us / 1e3 for kind, us in table.attrs["kinds_us"].items()}
         return out
 
     for variant in chosen:
@@ -351,7 +357,35 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
     if cuda and "lmfs" in result:
         result["memory_ratio_compiled"] = result["lmfs"]["peak_memory"] / result["predicted_memory"]
     report(result)
+    if profile and cuda:
+        report_kernel_kinds(result)
     return result
+
+
+def report_kernel_kinds(r: dict) -> None:
+    """Where each variant's step goes by kind of kernel (``--profile``), and what that bounds.
+
+    Matmuls (cuBLAS) and attention (cuDNN or our kernels) are library kernels that every model of
+    this shape runs the same FLOPs through; the rest (norms, activations, RoPE, the loss, the
+    optimizer, gaps between kernels) is what a model's own code can shrink. So a variant cannot be
+    faster than ``hf`` by more than ``hf step / (its matmul + attention time)``: that is the
+    ceiling printed, the speed-up if everything else took no time at all."""
+    names = [n for n in r["variants"] if n in r and "kernel_ms" in r[n]]
+    if not names:
+        return
+    kinds = list(r[names[0]]["kernel_ms"])
+    width = max(len(n) for n in names) + 2
+    print("\nGPU time per step by kind of kernel, ms (profiler; 'gaps' = step time - kernel time)")
+    print(f"{'variant':<{width}}" + "".join(f"{k:>11}" for k in kinds + ["gaps", "step"]) + "   ceiling x hf")
+    for name in names:
+        row = r[name]
+        ms = row["kernel_ms"]
+        gaps = row["step_ms"] - sum(ms.values())
+        library = ms["matmul"] + ms["attention"]
+        ceiling = r["hf"]["step_ms"] / library if "hf" in r and library > 0 else None
+        row["ceiling_vs_hf"] = ceiling
+        print(f"{name:<{width}}" + "".join(f"{ms[k]:>11.2f}" for k in kinds)
+              + f"{gaps:>11.2f}{row['step_ms']:>11.2f}" + (f"{ceiling:>15.3f}" if ceiling else ""))
 
 
 def report(r: dict) -> None:

@@ -130,7 +130,7 @@ class CausalSelfAttention(nn.Module):
 
         self.q_norm = RMSNorm(hd, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.qk_norm else None
-        self.rope = (RotaryEmbedding(hd, config.rope_theta)
+        self.rope = (RotaryEmbedding(hd, config.rope_theta, config.context_length)
                      if config.positions == "rope" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
