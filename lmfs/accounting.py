@@ -161,7 +161,9 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
     For a SwiGLU block under autocast that is ``34d + 8f + 4H + 8`` bytes per token; in fp32
     ``40d + 16f + 4H + 8``. The reference attention path saves no logsumexp but the softmax,
     ``4·H·T`` per token, plus its bf16 copy ``a·H·T`` under autocast: the ``T²`` memory that
-    FlashAttention avoids. RoPE adds four ``(T, head_dim)`` cos/sin tables per layer.
+    FlashAttention avoids. RoPE's cos/sin tables are the model's own fp32 buffers
+    (:class:`lmfs.nn.RotaryEmbedding`): in fp32 the backward keeps views of them, nothing new;
+    under autocast each rotation (of q, of k) casts both, four ``(T, head_dim)`` copies per layer.
 
     With ``config.fused_projections`` (off by default), autocast runs q/k/v, and a gated MLP's gate
     and up, as one matmul each (:func:`lmfs.nn.layers.project`): one cast of the input instead of
@@ -202,7 +204,7 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
         per_token += a * d + (4 + (a if autocast else 0)) * H * seq_len  # output, softmax
     per_token += (2 if gated and autocast and not fused else 1) * a * d  # MLP inputs
     per_token += hidden * a * f
-    rope_tables = 4 * seq_len * c.head_dim * a if c.positions == "rope" else 0
+    rope_tables = 4 * seq_len * c.head_dim * a if c.positions == "rope" and autocast else 0
     return batch_size * seq_len * per_token + rope_tables
 
 

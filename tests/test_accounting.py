@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lmfs.accounting import (GPU_MEMORY_BYTES, PEAK_FLOPS, activation_bytes_per_layer, flops_per_token,
                              largest_trainable_model, matmul_params, mfu, param_count, time_to_train,
                              training_flops, training_memory)
+from lmfs.bench import memory
 from lmfs.nn import Linear, TransformerConfig, TransformerLM
 from lmfs.optim import AdamW
 from lmfs.train import TrainConfig, accumulate_gradients, make_optimizer
@@ -68,20 +69,9 @@ def test_flops_match_torchs_flop_counter(overrides):
 
 
 def saved_tensor_bytes(model, x, y, autocast: bool) -> int:
-    """Bytes autograd saves for the backward pass in one forward, parameters themselves excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-        model(x, y)
-    return sum(storages.values())
+    with cast:
+        return memory.saved_tensor_bytes(lambda: model(x, y), model)
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(norm="layer", ffn="gelu", positions="learned"),

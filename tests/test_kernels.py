@@ -293,11 +293,7 @@ def test_autotuned_launches_under_the_interpreter(monkeypatch):
         return [t, t, t]
 
     def autotuned(fn, kernel, table, reset_to_zero=None):
-        rows = sorted({row for group in table.values() for row in group})
-        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in rows]
-        return triton.autotune(configs, key=["T_BUCKET", "ROWS_BUCKET", "HEAD_DIM", "CAUSAL"],
-                               prune_configs_by={"early_config_prune": fa._pruner(kernel, table)},
-                               reset_to_zero=reset_to_zero, do_bench=fake_bench)(fn)
+        return fa._autotuned(fn, kernel, table, reset_to_zero, do_bench=fake_bench)
 
     for name, fn, kernel, table, reset in [("_fwd", fa._attn_fwd, "fwd", fa._FWD_CONFIGS, None),
                                            ("_dkdv", fa._attn_bwd_dkdv, "dkdv", fa._DKDV_CONFIGS, None),
@@ -317,7 +313,7 @@ def test_autotuned_launches_under_the_interpreter(monkeypatch):
             torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2)
         chosen = {name: getattr(getattr(fa, name), "best_config") for name in ("_fwd", "_dkdv", "_dq", "_atomic")
                   if hasattr(getattr(fa, name), "best_config")}
-        assert chosen["_fwd"].kwargs == {"BLOCK_M": 64, "BLOCK_N": 64}  # the 2nd of the 2 candidates for D = 32
+        assert chosen["_fwd"].kwargs == {"BLOCK_M": 64, "BLOCK_N": 64, "SPLIT": 1}  # the 2nd of 2 candidates, D = 32
 
     monkeypatch.setattr(rn, "_bwd", triton.autotune(
         [triton.Config({"ROWS": r, "PROGRAMS_PER_SM": p, "STAGES": s}, num_warps=w, num_stages=s)
@@ -422,10 +418,11 @@ def test_flash_attention_gpu(dtype, head_dim, causal, backward):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_short_and_ragged_gpu(causal, backward):
+@pytest.mark.parametrize("head_dim", [64, 128])  # 128: the forward splits its 256-row blocks in two tiles
+def test_flash_attention_short_and_ragged_gpu(causal, backward, head_dim):
     """Lengths below one block and one row past a block, with the autotuned blocks."""
-    for T in (1, 65, 129):
-        q, k, v = (randn(2, 3, T, 64, dtype=torch.bfloat16, device="cuda", seed=s) for s in range(3))
+    for T in (1, 65, 129, 257):
+        q, k, v = (randn(2, 3, T, head_dim, dtype=torch.bfloat16, device="cuda", seed=s) for s in range(3))
         ours, ours_grads, do = forward_backward(lambda *t: flash_attention(*t, causal=causal, backward=backward),
                                                 q, k, v)
         exact, exact_grads, _ = forward_backward(lambda *t: sdpa(*t, causal), q.double(), k.double(), v.double(),

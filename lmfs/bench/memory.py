@@ -77,6 +77,24 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def saved_tensor_bytes(forward: Callable[[], object], model: torch.nn.Module) -> int:
+    """Bytes autograd saves for the backward pass while ``forward()`` runs: the distinct storages
+    of the saved tensors (a view counts as its whole base, once), the model's own tensors
+    (parameters, and buffers such as RoPE's tables) excluded. What the activation formula of
+    :func:`lmfs.accounting.training_memory` predicts."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return storage_bytes(saved)
+
+
 def step_peak(step: Callable[[], object], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               *batch: torch.Tensor) -> int:
     """Peak tensor bytes of one call of a training ``step``, after an untracked first call.
