@@ -247,3 +247,16 @@ def test_train_benchmark_variants_on_cpu(tmp_path, capsys):
     assert "speedup_vs_hf" not in result  # no plain "lmfs" variant ran
     result = main(["--steps", "1", "--device", "cpu", "--no-hf"])
     assert result["variants"] == ["lmfs"] and "hf" not in result
+    result = main(["--steps", "1", "--device", "cpu"])  # the default: lmfs, hf, hf+flex
+    assert "hf+flex skipped" in capsys.readouterr().out  # FlexAttention has no CPU backward
+    assert result["best_hf"] == "hf" and result["speedup_vs_best_hf"] == result["speedup_vs_hf"]
+
+
+def test_train_benchmark_variant_names():
+    from lmfs.bench.train import parse_variant
+
+    assert parse_variant("hf+flex").hf_attention == "flex_attention"
+    assert parse_variant("hf").hf_attention == "sdpa"
+    assert parse_variant("baseline+proj-loss").fused_projections
+    with pytest.raises(ValueError, match="does not apply"):
+        parse_variant("lmfs+flex")  # FlexAttention is a Hugging Face switch here
