@@ -26,7 +26,8 @@ On CUDA, for a GPT-2-small-sized Llama-style model (d_model 768, 12 layers, 12 h
 
 **Variants** (``--variants``, comma-separated; the default is ``lmfs,hf,hf+flex``, ``ablation`` is
 :data:`ABLATION`). Every variant trains the same weights on the same batch with the same
-optimizer, autocast and compile mode; they differ in the model's own code paths only:
+optimizer, autocast and compile mode (``--compile-mode``, the same for every compiled variant; default
+``"default"``); they differ in the model's own code paths only:
 
 * ``lmfs``: ``TransformerLM`` with its default configuration (separate q/k/v and gate/up
   matmuls) and the loss computed chunk by chunk without keeping the logits
@@ -240,8 +241,13 @@ def graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto",
-        variants: str = DEFAULT_VARIANTS, profile: bool = False) -> dict:
+        variants: str = DEFAULT_VARIANTS, profile: bool = False, compile_mode: str = "default") -> dict:
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     device = resolve_device(device)
     cuda = device.type == "cuda"
     chosen = [dataclasses.replace(v, compiled=v.compiled and cuda)  # never compiled on the CPU
@@ -263,7 +269,7 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
               "shape": dict(d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads,
                             context=T, vocab=config.vocab_size, batch=B),
               "optimizer": "torch.optim.AdamW(fused=True)" if cuda else "torch.optim.AdamW",
-              "autocast": "bf16" if cuda else "off", "compiled": cuda, "steps_timed": steps,
+              "autocast": "bf16" if cuda else "off", "compiled": cuda, "compile_mode": compile_mode, "steps_timed": steps,
               "warmup_steps": warmup, "variants": [v.name for v in chosen]}
     flops_per_token = training_flops(config, 1, T)
     result["train_flops_per_token"] = flops_per_token
@@ -323,7 +329,7 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
             params = lmfs_model(cfg)
             module = LossOnly(params) if variant.fused_loss else params
         torch._dynamo.reset()  # no graphs, guards or recompile budget carried over from another variant
-        forward = torch.compile(module) if variant.compiled else module
+        forward = torch.compile(module, mode=compile_mode) if variant.compiled else module
         optimizer = adamw(params, device)
         step = lambda: training_step(forward, optimizer, x, y, dtype)  # noqa: E731
         start = time.perf_counter()
@@ -455,11 +461,13 @@ def main(argv=None) -> dict:
                         help=f"comma-separated (default {DEFAULT_VARIANTS}); 'ablation' = {ABLATION}")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face variants")
     parser.add_argument("--profile", action="store_true", help="also print each variant's top kernels")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                        help="torch.compile's mode for every compiled variant (reduce-overhead: CUDA graphs)")
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: a tiny model)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     result = run(args.steps, args.batch_size, hf=not args.no_hf, device=args.device, variants=args.variants,
-                 profile=args.profile)
+                 profile=args.profile, compile_mode=args.compile_mode)
     save_json(result, args.json)
     return result
 
