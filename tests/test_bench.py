@@ -70,7 +70,8 @@ def test_kernel_kinds_of_names_seen_on_an_h200():
         "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "matmul",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1": "attention",
         "_attn_fwd": "attention",
-        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>": "optimizer",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>":
+            "optimizer",
         "triton_poi_fused__scaled_dot_product_cudnn_attention_permute_3": "other",  # a copy named after its op
         "triton_per_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_6": "other",
         "Memset (Device)": "other",

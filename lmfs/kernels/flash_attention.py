@@ -544,10 +544,10 @@ def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCK
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per group: head dim 128, 64, ≤ 32 (16-bit), float32,
 # the likeliest winners first (see AUTOTUNE_CANDIDATES): the first entries are what the autotuner
-# chose on an H200 (triton 3.6, bf16, T = 1k-16k, 2026-11-30; the README's attention table). On Hopper a warp group (4 warps) issues one
-# 64-row tensor-core instruction (wgmma), so 128-row tiles take 8 warps at D = 128 (the
-# accumulator alone is 64 fp32 registers a thread) and 4 or 8 at D = 64; stages = how many K/V
-# tiles the software pipeline keeps in flight. The backward kernels hold two fp32 accumulators
+# chose on an H200 (triton 3.6, bf16, T = 1k-16k, 2026-11-30; the README's attention table). On
+# Hopper a warp group (4 warps) issues one 64-row tensor-core instruction (wgmma), so 128-row
+# tiles take 8 warps at D = 128 (the accumulator alone is 64 fp32 registers a thread) and 4 or 8
+# at D = 64; stages = how many K/V tiles the software pipeline keeps in flight. The backward kernels hold two fp32 accumulators
 # (dK and dV, or dQ) plus a score tile and its gradient, so their streamed blocks are smaller (32
 # or 64 rows) where the accumulators are large.
 #
