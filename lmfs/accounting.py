@@ -137,7 +137,7 @@ def _norm_bytes(c: TransformerConfig) -> int:
 
 
 def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_len: int,
-                               compute_bytes: int = 2) -> int:
+                               compute_bytes: int = 2, triton_kernels: bool = False) -> int:
     """Bytes one block keeps for its backward pass, counted tensor by tensor.
 
     ``a = compute_bytes`` is the width of matmul outputs: 2 under bf16/fp16 autocast, 4 in
@@ -165,13 +165,19 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
     (:class:`lmfs.nn.RotaryEmbedding`): in fp32 the backward keeps views of them, nothing new;
     under autocast each rotation (of q, of k) casts both, four ``(T, head_dim)`` copies per layer.
 
-    With ``config.fused_projections`` (off by default), autocast runs q/k/v, and a gated MLP's gate
+    With ``config.fused_projections`` (on by default), autocast runs q/k/v, and a gated MLP's gate
     and up, as one matmul each (:func:`lmfs.nn.layers.project`): one cast of the input instead of
     three (two), ``a·d`` each. The q/k/v output is then one tensor, and q, k, v are views of it;
     a view kept for the backward pass keeps all of it, ``a·(H + 2·H_kv)·d_head``. With RoPE (which
     makes new q and k) and MHA (v not repeated for GQA), v is such a view: attention keeps ``a·d``
     (the cast) ``+ 2·a·d`` (q, k) ``+ 3·a·d`` (the q/k/v output), as much as unfused, and a fused
     SwiGLU block keeps ``32d + 8f + 4H + 8`` under autocast.
+
+    ``triton_kernels``: the step runs on a CUDA GPU with ``config.triton_kernels``, so fused
+    projections go through :mod:`lmfs.kernels.fused`. ``rope_qkv`` makes q, k and v anew and its
+    backward needs only the fp32 tables (no casts of them, no q/k/v output kept): attention keeps
+    ``a·d + 3·a·d``. ``swiglu`` keeps the gate/up output, one ``2·a·f`` tensor, and not the
+    activation: the MLP hidden is ``3·a·f``. A SwiGLU block: ``28d + 6f + 4H + 8``.
     """
     c = config
     problems = _memory_model_problems(c)
@@ -188,7 +194,11 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
     per_token = 2 * _norm_bytes(c)                                   # the two norms
     # Autocast casts a matmul's fp32 input anew for each matmul; in fp32 they share one tensor.
     fused = autocast and c.fused_projections                         # one matmul, one cast
-    if fused:
+    kernels = fused and triton_kernels and c.triton_kernels
+    rope_kernel = kernels and c.positions == "rope"                  # lmfs.kernels.fused.rope_qkv
+    if rope_kernel:
+        per_token += a * d + 3 * a * d                               # input; new q, k, v
+    elif fused:
         # q, k and v as attention keeps them: a new tensor where RoPE rotated it (q, k) or GQA
         # repeated its heads (k, v); otherwise a view that keeps the whole q/k/v output alive.
         rope, gqa = c.positions == "rope", c.kv_heads != c.n_heads
@@ -203,14 +213,15 @@ def activation_bytes_per_layer(config: TransformerConfig, batch_size: int, seq_l
     else:
         per_token += a * d + (4 + (a if autocast else 0)) * H * seq_len  # output, softmax
     per_token += (2 if gated and autocast and not fused else 1) * a * d  # MLP inputs
-    per_token += hidden * a * f
-    rope_tables = 4 * seq_len * c.head_dim * a if c.positions == "rope" and autocast else 0
+    per_token += (3 if kernels and c.ffn == "swiglu" else hidden) * a * f  # swiglu: gate|up, product
+    rope_tables = 4 * seq_len * c.head_dim * a if c.positions == "rope" and autocast and not rope_kernel else 0
     return batch_size * seq_len * per_token + rope_tables
 
 
 def training_memory(config: TransformerConfig, batch_size: int, seq_len: int, *,
                     compute_bytes: int = 2, optimizer: str = "adamw",
-                    activation_checkpointing: bool = False, grad_accum: int = 1) -> dict[str, int]:
+                    activation_checkpointing: bool = False, grad_accum: int = 1,
+                    triton_kernels: bool = False) -> dict[str, int]:
     """Bytes of one training step of ``TransformerLM(config)`` as :func:`lmfs.train.train` runs it.
 
     Parameters, gradients and optimizer state are fp32 (4 bytes each). ``compute_bytes`` is 2
@@ -228,6 +239,8 @@ def training_memory(config: TransformerConfig, batch_size: int, seq_len: int, *,
     * ``logits``: the loss's ``(B·T, vocab)`` fp32 buffers at the start of the backward pass: the
       saved log-softmax plus its incoming and outgoing gradients, ``12·vocab`` bytes per token.
       (This is often the largest single item for small models with large vocabularies.)
+    * ``triton_kernels``: the step runs on a CUDA GPU, where ``config.triton_kernels`` routes
+      fused projections through :mod:`lmfs.kernels.fused` (see :func:`activation_bytes_per_layer`).
     * ``total``: the peak, the sum of :func:`memory_at_peak`'s items. ``batch_size`` is the
       micro-batch: with ``grad_accum > 1`` micro-batches per step, the gradients of the earlier
       ones are held while the next one runs forward.
@@ -238,7 +251,7 @@ def training_memory(config: TransformerConfig, batch_size: int, seq_len: int, *,
     tokens = batch_size * seq_len
     n_params = param_count(c)
     a = compute_bytes
-    layer = activation_bytes_per_layer(c, batch_size, seq_len, compute_bytes)  # validates c too
+    layer = activation_bytes_per_layer(c, batch_size, seq_len, compute_bytes, triton_kernels)  # validates c
     head = tokens * (_norm_bytes(c) + a * c.d_model)                # final norm, head input
     batch = 2 * 8 * tokens
     if activation_checkpointing:

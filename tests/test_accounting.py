@@ -121,11 +121,16 @@ def test_memory_breakdown_adds_up_and_checkpointing_saves():
     assert ckpt["activations"] < plain["activations"] / 5 and ckpt["recompute"] > 0
     assert ckpt["total"] < plain["total"]
     # Per layer and token: 34·d + 8·f + 4·H + 8 bytes for a SwiGLU block under bf16 autocast
-    # (each projection casts its own copy of the input), 32·d + ... with fused projections.
+    # (each projection casts its own copy of the input), 32·d + ... with fused projections (the
+    # default), 28·d + 6·f + ... when those go through lmfs.kernels.fused (no RoPE table casts).
     rope = 4 * 1024 * 64 * 2
-    assert activation_bytes_per_layer(config, 8, 1024) == 8 * 1024 * (34 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
-    assert activation_bytes_per_layer(gpt2_small(fused_projections=True), 8, 1024) == 8 * 1024 * (
-        32 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
+    assert activation_bytes_per_layer(gpt2_small(fused_projections=False), 8, 1024) == 8 * 1024 * (
+        34 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
+    assert activation_bytes_per_layer(config, 8, 1024) == 8 * 1024 * (32 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
+    assert activation_bytes_per_layer(config, 8, 1024, triton_kernels=True) == 8 * 1024 * (
+        28 * 768 + 6 * 2048 + 4 * 12 + 8)
+    assert activation_bytes_per_layer(gpt2_small(triton_kernels=False), 8, 1024, triton_kernels=True) == (
+        activation_bytes_per_layer(config, 8, 1024))  # the config's switch turns them off
     with pytest.raises(ValueError, match="norm_position='post'"):
         training_memory(tiny(norm_position="post"), 1, 8)
     with pytest.raises(ValueError, match="unknown optimizer"):
@@ -189,7 +194,7 @@ def test_memory_prediction_on_gpu(checkpointing):
         step()
         torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
-    predicted = training_memory(config, B, T, activation_checkpointing=checkpointing)["total"]
+    predicted = training_memory(config, B, T, activation_checkpointing=checkpointing, triton_kernels=True)["total"]
     ratio = measured / predicted
     assert abs(ratio - 1) < 0.10, f"measured {measured / 2**30:.2f} GiB = {ratio:.3f} x predicted"
 

@@ -215,9 +215,10 @@ def test_train_variants_parse():
     from lmfs.bench.train import ABLATION, Variant, parse_variant, parse_variants
 
     assert parse_variant("lmfs") == Variant("lmfs")
-    assert parse_variant("baseline") == Variant("baseline", fused_projections=False, fused_loss=False)
-    assert parse_variant("baseline+proj") == Variant("baseline+proj", fused_projections=True, fused_loss=False)
-    assert parse_variant("lmfs+proj") == Variant("lmfs+proj", fused_projections=True)
+    assert parse_variant("baseline") == Variant("baseline", fused_projections=True, fused_loss=False)
+    assert parse_variant("baseline-proj") == Variant("baseline-proj", fused_projections=False, fused_loss=False)
+    assert parse_variant("lmfs-proj-kern") == Variant("lmfs-proj-kern", fused_projections=False,
+                                                      triton_kernels=False)
     assert parse_variant("lmfs-loss+cudnn") == Variant("lmfs-loss+cudnn", fused_loss=False, sdpa_backend="cudnn")
     hf = parse_variant("hf-eager")
     assert hf.model == "hf" and not hf.compiled and hf.sdpa_backend == "auto"

@@ -29,17 +29,19 @@ On CUDA, for a GPT-2-small-sized Llama-style model (d_model 768, 12 layers, 12 h
 optimizer, autocast and compile mode (``--compile-mode``, the same for every compiled variant; default
 ``"default"``); they differ in the model's own code paths only:
 
-* ``lmfs``: ``TransformerLM`` with its default configuration (separate q/k/v and gate/up
-  matmuls) and the loss computed chunk by chunk without keeping the logits
+* ``lmfs``: ``TransformerLM`` with its default configuration (q/k/v and gate/up as one matmul
+  each, and on a GPU the Triton kernels of :mod:`lmfs.kernels.fused` for RoPE, SwiGLU and the
+  loss) and the loss computed chunk by chunk without keeping the logits
   (``model(x, y, return_logits=False)``, :func:`lmfs.nn.linear_cross_entropy`).
 * ``baseline``: the same model with logits, then ``F.cross_entropy`` (``model(x, y)``).
 * ``hf``: Hugging Face's Llama (``attn_implementation="sdpa"``), compiled; ``hf+flex``: with
   ``"flex_attention"`` instead; ``hf-eager``: not compiled, for context.
 * Modifiers, appended: ``+proj`` / ``-proj`` (fused projections), ``+loss`` / ``-loss`` (chunked
-  loss), ``+cudnn`` / ``+flash`` / ``+efficient`` (the SDPA kernel to try first, also for ``hf``;
-  by default each side gets SDPA's own choice), ``-eager`` (not compiled). E.g.
-  ``baseline+proj`` or ``lmfs-loss``. Measured on an H200 (README): fusing the projections
-  (``config.fused_projections``) made the step 11% slower, so it is off by default.
+  loss), ``+kern`` / ``-kern`` (``config.triton_kernels``), ``+cudnn`` / ``+flash`` /
+  ``+efficient`` (the SDPA kernel to try first, also for ``hf``; by default each side gets SDPA's
+  own choice), ``-eager`` (not compiled). E.g. ``lmfs-proj`` or ``lmfs-kern``. Measured on an
+  H200 (README): fused projections with the kernels 28.2 ms a step, separate projections 30.0,
+  fused projections without the kernels 32.0 (Inductor's backward of the split is slow).
 
 The table gives each variant's tokens/s relative to ``hf`` and to ``baseline`` when those ran.
 ``--profile`` adds each variant's kernel table and a summary of GPU time per step by kind of
@@ -77,7 +79,7 @@ from lmfs.nn.attention import SDPA_BACKENDS, sdpa_preference
 from lmfs.train.loop import accumulate_gradients
 
 DEFAULT_VARIANTS = "lmfs,hf,hf+flex"
-ABLATION = "baseline,baseline+proj,lmfs,lmfs+proj,lmfs+flash,hf,hf-eager"
+ABLATION = "baseline,lmfs,lmfs-proj,lmfs-kern,lmfs-proj-kern,lmfs+flash,hf,hf+flex,hf-eager"
 
 
 def gpt2_small(vocab_size: int = 32000, context_length: int = 1024) -> TransformerConfig:
@@ -98,8 +100,9 @@ class Variant:
 
     name: str
     model: str = "lmfs"                # "lmfs" or "hf"
-    fused_projections: bool = False    # lmfs: config.fused_projections
+    fused_projections: bool = True     # lmfs: config.fused_projections
     fused_loss: bool = True            # lmfs: model(x, y, return_logits=False)
+    triton_kernels: bool = True        # lmfs: config.triton_kernels (lmfs.kernels.fused)
     sdpa_backend: str = "auto"         # SDPA kernel tried first (CUDA); "auto": SDPA's own order
     hf_attention: str = "sdpa"         # hf: its attn_implementation, "sdpa" or "flex_attention"
     compiled: bool = True              # torch.compile (on CUDA; never on the CPU)
@@ -109,7 +112,8 @@ class Variant:
             parts = ["Hugging Face LlamaForCausalLM", f"attn_implementation={self.hf_attention!r}"]
         else:
             parts = ["lmfs", "fused q/k/v, gate/up" if self.fused_projections else "separate projections",
-                     "chunked loss, no logits" if self.fused_loss else "logits + F.cross_entropy"]
+                     "chunked loss, no logits" if self.fused_loss else "logits + F.cross_entropy",
+                     "Triton kernels" if self.triton_kernels else "no Triton kernels"]
         first = "its own choice" if self.sdpa_backend == "auto" else f"{self.sdpa_backend} first"
         parts.append(f"SDPA: {first}")
         parts.append("compiled" if self.compiled else "eager")
@@ -122,10 +126,10 @@ def parse_variant(name: str) -> Variant:
     match = re.fullmatch(r"(lmfs|baseline|hf)((?:[+-][a-z]+)*)", name.strip())
     if not match:
         raise ValueError(f"unknown variant {name!r}: use lmfs, baseline or hf, optionally followed by "
-                         "+proj/-proj, +loss/-loss, +cudnn/+flash/+efficient, -eager")
+                         "+proj/-proj, +loss/-loss, +kern/-kern, +cudnn/+flash/+efficient, -eager")
     base, modifiers = match.groups()
-    fields = dict(model="hf" if base == "hf" else "lmfs", fused_projections=False,
-                  fused_loss=base == "lmfs")  # lmfs's own switches, off for Hugging Face
+    fields = dict(model="hf" if base == "hf" else "lmfs", fused_projections=base != "hf",
+                  fused_loss=base == "lmfs", triton_kernels=base != "hf")  # lmfs's own switches, off for HF
     for sign, word in re.findall(r"([+-])([a-z]+)", modifiers):
         if word == "eager":
             fields["compiled"] = False
@@ -133,11 +137,12 @@ def parse_variant(name: str) -> Variant:
             fields["sdpa_backend"] = word if sign == "+" else "auto"
         elif word == "flex" and base == "hf" and sign == "+":
             fields["hf_attention"] = "flex_attention"
-        elif word in ("proj", "loss") and base != "hf":
-            fields["fused_projections" if word == "proj" else "fused_loss"] = sign == "+"
+        elif word in ("proj", "loss", "kern") and base != "hf":
+            key = {"proj": "fused_projections", "loss": "fused_loss", "kern": "triton_kernels"}[word]
+            fields[key] = sign == "+"
         else:
             raise ValueError(f"variant {name!r}: modifier {sign}{word} does not apply; lmfs and baseline "
-                             "take +proj/-proj, +loss/-loss; hf takes +flex (FlexAttention); every variant "
+                             "take +proj/-proj, +loss/-loss, +kern/-kern; hf takes +flex (FlexAttention); every variant "
                              "takes +cudnn/+flash/+efficient and -eager")
     return Variant(name=name.strip(), **fields)
 
@@ -160,10 +165,12 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer
 
 
 def training_step(forward, optimizer, x, y, dtype):
-    """One step: forward and backward (``forward(x, y)`` returns the loss), optimizer step, zero."""
-    accumulate_gradients(forward, [(x, y)], dtype)
+    """One step: forward and backward (``forward(x, y)`` returns the loss), optimizer step, zero.
+    Returns the loss (a tensor: reading it would make the host wait for the GPU)."""
+    loss = accumulate_gradients(forward, [(x, y)], dtype)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 def hf_llama(model: TransformerLM, device: torch.device, attention: str = "sdpa"):
@@ -310,7 +317,7 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
             model = lmfs_model(cfg)
             optimizer = adamw(model, device)
             eager = peak_memory(lambda: training_step(model, optimizer, x, y, dtype), device)  # noqa: B023
-            predicted = training_memory(cfg, B, T, compute_bytes=2)["total"]
+            predicted = training_memory(cfg, B, T, compute_bytes=2, triton_kernels=True)["total"]
             result[f"memory_ratio_eager{name}"] = eager / predicted
             if not name:
                 result["predicted_memory"] = predicted
@@ -325,7 +332,7 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
             params = module
         else:
             cfg = dataclasses.replace(config, fused_projections=variant.fused_projections,
-                                      sdpa_backend=variant.sdpa_backend)
+                                      sdpa_backend=variant.sdpa_backend, triton_kernels=variant.triton_kernels)
             params = lmfs_model(cfg)
             module = LossOnly(params) if variant.fused_loss else params
         torch._dynamo.reset()  # no graphs, guards or recompile budget carried over from another variant
@@ -333,9 +340,7 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
         optimizer = adamw(params, device)
         step = lambda: training_step(forward, optimizer, x, y, dtype)  # noqa: E731
         start = time.perf_counter()
-        step()  # compiles forward and backward; creates the optimizer state
-        if cuda:
-            torch.cuda.synchronize(device)
+        first_loss = step().item()  # compiles forward and backward; creates the optimizer state
         first_step_s = time.perf_counter() - start
         graphs = graph_count()
         seconds = benchmark(step, warmup=warmup, repeats=steps, device=device).median
@@ -345,7 +350,7 @@ def run(steps: int, batch_size: int | None, hf: bool = True, device: str = "auto
         achieved = flops_per_token * B * T / seconds
         out = dict(step_ms=seconds * 1e3, tokens_per_s=B * T / seconds, achieved_flops=achieved,
                    mfu_measured=achieved / measured, mfu_datasheet=achieved / sheet if sheet else None,
-                   peak_memory=peak_memory(step, device), first_step_s=first_step_s,
+                   peak_memory=peak_memory(step, device), first_step_s=first_step_s, first_loss=first_loss,
                    recompiled=recompiled, **dataclasses.asdict(variant))
         if profile:
             table = profile_table(step, warmup=1, repeats=3, row_limit=40)
@@ -429,7 +434,7 @@ def report(r: dict) -> None:
                ("TFLOP/s", "achieved_flops", "{:.1f}", 1e12), ("MFU meas", "mfu_measured", "{:.1%}", 1),
                ("MFU sheet", "mfu_datasheet", "{:.1%}", 1), ("peak GiB", "peak_memory", "{:.2f}", gib),
                ("x hf", "vs_hf", "{:.3f}", 1), ("x base", "vs_baseline", "{:.3f}", 1),
-               ("1st step s", "first_step_s", "{:.1f}", 1)]
+               ("1st step s", "first_step_s", "{:.1f}", 1), ("1st loss", "first_loss", "{:.4f}", 1)]
     width = max([len(n) for n in names] + [8]) + 2
     print(f"\n{'variant':<{width}}" + "".join(f"{label:>12}" for label, *_ in columns))
     for name in names:

@@ -32,7 +32,7 @@ from einops import rearrange, repeat
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmfs.nn.layers import Linear, RMSNorm, make_norm, project
+from lmfs.nn.layers import Linear, RMSNorm, fused_linear, kernels_apply, make_norm, project
 from lmfs.nn.positions import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -117,6 +117,7 @@ class CausalSelfAttention(nn.Module):
         self.window, self.softcap, self.impl = config.window, config.attn_softcap, config.attn_impl
         self.mla = config.attention == "mla"
         self.fused, self.sdpa_backend = config.fused_projections, config.sdpa_backend
+        self.kernels = config.triton_kernels
 
         self.q_proj = Linear(d, self.n_heads * hd, config.bias)
         kv_in = d
@@ -135,6 +136,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Projections that read the same input run as one matmul under autocast (layers.project).
+        # On a GPU a Triton kernel then splits the heads and rotates q and k in one pass, and its
+        # backward writes the three gradients into the fused matmul's (lmfs.kernels.fused).
+        if (self.fused and not self.mla and self.rope is not None and self.q_norm is None
+                and kernels_apply(x, self.q_proj.weight, self.kernels)):
+            from lmfs.kernels.fused import rope_qkv  # imported on a GPU only: it loads Triton
+
+            qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), split=False)
+            q, k, v = rope_qkv(qkv, *self.rope.tables(x.shape[1], x.device), self.n_heads, self.n_kv_heads)
+            return self.o_proj(self.attend_heads(q, k, v))
         if self.mla:
             q, latent = project(x, (self.q_proj, self.kv_down), self.fused)
             k, v = project(self.kv_norm(latent), (self.k_proj, self.v_proj), self.fused)
@@ -152,6 +162,10 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
+        return self.attend_heads(q, k, v)
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Heads ``(B, H, T, d)`` ready for attention -> attended ``(B, T, H·d)``, K/V heads shared."""
         # GQA: K/V head j serves the `groups` consecutive query heads j·groups .. (j+1)·groups - 1.
         groups = self.n_heads // self.n_kv_heads
         k = repeat(k, "b h t d -> b (h g) t d", g=groups)

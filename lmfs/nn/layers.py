@@ -51,7 +51,7 @@ def autocast_casts(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != weight.dtype
 
 
-def fused_linear(x: torch.Tensor, layers: Sequence[Linear]) -> tuple[torch.Tensor, ...]:
+def fused_linear(x: torch.Tensor, layers: Sequence[Linear], split: bool = True) -> tuple[torch.Tensor, ...]:
     """``tuple(layer(x) for layer in layers)`` computed as **one** matmul on the stacked weights.
 
     The layers keep their own parameters (names, shapes and state dicts do not change); only the
@@ -61,7 +61,9 @@ def fused_linear(x: torch.Tensor, layers: Sequence[Linear]) -> tuple[torch.Tenso
     matmul with inner dimension ``Σ d_out`` instead of a sum of several. A wide matmul keeps the
     GPU's tiles busier than a few narrow ones, and under autocast ``x`` is cast to bf16 once
     rather than once per layer. (The stacked weight is a copy: under autocast it takes the place
-    of the bf16 copies autocast makes anyway, see :func:`project`.)
+    of the bf16 copies autocast makes anyway, see :func:`project`.) With ``split=False`` the result
+    is the one ``(..., Σ d_out)`` tensor, for a kernel that reads the parts itself
+    (:func:`lmfs.kernels.fused.rope_qkv`, :func:`lmfs.kernels.fused.swiglu`).
     """
     if x.shape[-1] != layers[0].weight.shape[1]:
         raise ValueError(f"Linear(d_in={layers[0].weight.shape[1]}) got input of shape {tuple(x.shape)}: "
@@ -69,7 +71,16 @@ def fused_linear(x: torch.Tensor, layers: Sequence[Linear]) -> tuple[torch.Tenso
     y = x @ torch.cat([layer.weight for layer in layers]).T
     if layers[0].bias is not None:
         y = y + torch.cat([layer.bias for layer in layers])
+    if not split:
+        return y
     return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
+
+
+def kernels_apply(x: torch.Tensor, weight: torch.Tensor, enabled: bool = True) -> bool:
+    """Whether a fused projection of ``x`` takes the Triton kernels of :mod:`lmfs.kernels.fused`:
+    ``enabled`` (``TransformerConfig.triton_kernels``), ``x`` on a CUDA GPU, and under autocast
+    (the only case in which projections are fused, see :func:`project`)."""
+    return enabled and x.is_cuda and autocast_casts(x, weight)
 
 
 def project(x: torch.Tensor, layers: Sequence[Linear], fuse: bool = True) -> tuple[torch.Tensor, ...]:
@@ -194,31 +205,36 @@ class GatedMLP(nn.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", bias: bool = False,
-                 fused: bool = True):
+                 fused: bool = True, kernels: bool = True):
         super().__init__()
         if activation not in GATED_FFNS:
             raise ValueError(f"GatedMLP activation must be 'swiglu' or 'geglu', got {activation!r}; "
                              "use MLP for 'relu' / 'gelu'")
         self.act = F.silu if activation == "swiglu" else F.gelu
-        self.fused = fused
+        self.fused, self.kernels = fused, kernels
         self.gate = Linear(d_model, d_ff, bias)
         self.up = Linear(d_model, d_ff, bias)
         self.down = Linear(d_ff, d_model, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.act is F.silu and kernels_apply(x, self.gate.weight, self.kernels):
+            from lmfs.kernels.fused import swiglu  # imported on a GPU only: it loads Triton
+
+            return self.down(swiglu(fused_linear(x, (self.gate, self.up), split=False)))
         gate, up = project(x, (self.gate, self.up), self.fused)
         return self.down(self.act(gate) * up)
 
 
 def make_ffn(kind: str, d_model: int, d_ff: int | None = None, bias: bool = False,
-             fused: bool = True) -> nn.Module:
+             fused: bool = True, kernels: bool = True) -> nn.Module:
     """Build the feed-forward named ``kind`` (one of :data:`FFN_KINDS`); ``fused`` is for gated
-    ones, whose gate and up projections then run as one matmul under autocast."""
+    ones, whose gate and up projections then run as one matmul under autocast (and on a GPU, with
+    ``kernels``, SwiGLU through :func:`lmfs.kernels.fused.swiglu`)."""
     if kind not in FFN_KINDS:
         raise ValueError(f"unknown ffn {kind!r}: use one of {FFN_KINDS}")
     d_ff = d_ff or default_d_ff(d_model, kind)
     if kind in GATED_FFNS:
-        return GatedMLP(d_model, d_ff, kind, bias, fused)
+        return GatedMLP(d_model, d_ff, kind, bias, fused, kernels)
     return MLP(d_model, d_ff, kind, bias)
 
 

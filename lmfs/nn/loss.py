@@ -32,9 +32,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Loss forward; the gradient with respect to the logits is made in the same pass and kept."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, z_loss, softcap, chunk, need_grad):
+    def forward(ctx, h, weight, targets, z_loss, softcap, chunk, need_grad, kernel):
         keep = targets != IGNORE_INDEX
         count = keep.sum()
+        if kernel:  # one Triton kernel per chunk makes its loss and gradient (lmfs.kernels.fused)
+            from lmfs.kernels.fused import cross_entropy_rows
+
+            scale = 1.0 / count.float()
+            grad_logits = h.new_empty(h.shape[0], weight.shape[0]) if need_grad else None
+            total = h.new_zeros((), dtype=torch.float32)
+            for start in range(0, h.shape[0], chunk):
+                logits = h[start:start + chunk] @ weight.T
+                total = total + cross_entropy_rows(logits, targets[start:start + chunk], scale, grad_logits,
+                                                   start, z_loss, IGNORE_INDEX).sum()
+            if need_grad:
+                ctx.save_for_backward(h, weight, grad_logits)
+            return total * scale
         vocab = torch.arange(weight.shape[0], device=h.device)
         total, grads = h.new_zeros((), dtype=torch.float32), []
         # Eagerly the chunks' gradients go straight into one buffer; a compiled graph instead
@@ -75,12 +88,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h, weight, grad_logits = ctx.saved_tensors
         grad_h = (grad_logits @ weight) * grad_loss
         grad_weight = (grad_logits.T @ h) * grad_loss
-        return grad_h, grad_weight, None, None, None, None, None
+        return grad_h, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          z_loss: float = 0.0, softcap: float | None = None,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, kernel: bool = True) -> torch.Tensor:
     """``cross_entropy(h @ weight.T, targets)`` (mean over targets that are not ``-100``), without
     keeping the logits; equal to the two-step computation up to float rounding.
 
@@ -88,7 +101,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     ``z_loss · mean(logsumexp(logits)²)`` and ``softcap`` passes the logits through
     ``softcap·tanh(logits/softcap)`` first, as :class:`lmfs.nn.TransformerLM` does. ``chunk`` is
     the rows per chunk (default :func:`default_chunk`). Under autocast the matmuls run in its
-    dtype, the softmax in float32.
+    dtype, the softmax in float32. On a CUDA GPU, without ``softcap`` and with ``kernel``, each
+    chunk's loss and gradient come from one pass of :func:`lmfs.kernels.fused.cross_entropy_rows`
+    over its logits, which are then kept in the matmul's dtype only, not in float32.
     """
     device = h.device.type
     if torch.is_autocast_enabled(device):  # cast as autocast would for the head's matmul
@@ -97,4 +112,5 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     chunk = chunk or default_chunk(weight.shape[0])
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(h, weight, targets, z_loss, softcap, chunk, need_grad)
+    kernel = kernel and h.is_cuda and softcap is None
+    return _LinearCrossEntropy.apply(h, weight, targets, z_loss, softcap, chunk, need_grad, kernel)

@@ -92,12 +92,14 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = cos, sin
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[-2]
+    def tables(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 ``(T, head_dim)`` cos and sin tables for positions ``0 .. T - 1``."""
         if T <= self.max_positions:
-            return apply_rope(x, self.cos[:T], self.sin[:T])
-        cos, sin = rope_angles(torch.arange(T, device=x.device), self.head_dim, self.theta)
-        return apply_rope(x, cos, sin)
+            return self.cos[:T], self.sin[:T]
+        return rope_angles(torch.arange(T, device=device), self.head_dim, self.theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, *self.tables(x.shape[-2], x.device))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, max_positions={self.max_positions}"

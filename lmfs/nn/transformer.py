@@ -36,7 +36,8 @@ class Block(nn.Module):
         self.position = config.norm_position
         self.parallel = config.parallel
         self.attn = CausalSelfAttention(config)
-        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias, config.fused_projections)
+        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias, config.fused_projections,
+                            config.triton_kernels)
         branches = 1 if config.parallel else 2
         # norms[i]: the input norm of branch i (pre, double), or the norm after its sum (post).
         self.norms = nn.ModuleList(
@@ -134,7 +135,8 @@ class TransformerLM(nn.Module):
         if not return_logits:
             head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
             return None, linear_cross_entropy(x, head, targets, z_loss=self.config.z_loss,
-                                              softcap=self.config.logit_softcap)
+                                              softcap=self.config.logit_softcap,
+                                              kernel=self.config.triton_kernels)
         logits = x @ self.tok_emb.weight.T if self.lm_head is None else self.lm_head(x)
         if self.config.logit_softcap is not None:
             cap = self.config.logit_softcap

@@ -303,6 +303,7 @@ class TensorParallelAttention(nn.Module):
     # Everything after the projections is the single-GPU code, on this rank's heads (it reads
     # n_heads, n_kv_heads, q_norm, rope, window, softcap and impl from self).
     heads = CausalSelfAttention.heads
+    attend_heads = CausalSelfAttention.attend_heads
     attend = CausalSelfAttention.attend
 
     def forward(self, x):
