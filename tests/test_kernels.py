@@ -625,19 +625,3 @@ def test_activation_formula_with_the_kernels(monkeypatch):
         parts = training_memory(config, *x.shape, compute_bytes=2, triton_kernels=True)
         predicted = parts["weight_copies"] + parts["activations"] + parts["logits"] // 3
         assert 0 <= measured - predicted <= 4, (n_kv_heads, measured, predicted)  # 4: nll's total weight
-
-
-def test_fused_kernels_are_well_formed_custom_ops():
-    """torch.library's own checks of the operators torch.compile sees: fake (shape-only) versions
-    agree with the real ones, and the registered backward works under AOT autograd."""
-    from lmfs.kernels.fused import _rope_qkv_backward_op, _rope_qkv_op, _swiglu_backward_op, _swiglu_op
-    from lmfs.nn.positions import rope_angles
-
-    cos, sin = (t.to(DEVICE) for t in rope_angles(torch.arange(9), 8))
-    qkv = randn(2, 9, (4 + 2 * 2) * 8).requires_grad_()
-    torch.library.opcheck(_rope_qkv_op, (qkv, cos, sin, 4, 2))
-    grads = [randn(2, 9, n, 8, seed=i) for i, n in enumerate((4, 2, 2))]
-    torch.library.opcheck(_rope_qkv_backward_op, (*grads, cos, sin))
-    gu = randn(3, 5, 64).requires_grad_()
-    torch.library.opcheck(_swiglu_op, (gu,))
-    torch.library.opcheck(_swiglu_backward_op, (gu.detach(), randn(3, 5, 32)))

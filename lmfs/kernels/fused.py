@@ -101,64 +101,34 @@ def _fused_parts(T: int, n_q: int, n_kv: int, d: int):
     return [(0, (T * width, width, d)), (n_q * d, (T * width, width, d)), ((n_q + n_kv) * d, (T * width, width, d))]
 
 
-# The kernels are wrapped as custom operators (torch.library.custom_op) rather than called from an
-# autograd.Function: torch.compile then treats each as one opaque call that returns new tensors.
-# Traced into, a Triton kernel that writes into buffers it was handed is "functionalised" by
-# Inductor, which copied those buffers out and back: on an H200, 1.2 ms of copies per training step
-# of GPT-2 small, more than the kernels themselves saved.
+class _RopeQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_q, n_kv):
+        B, T, width = qkv.shape
+        d = width // (n_q + 2 * n_kv)
+        # Outputs (B, T, H, d) in memory, handed out as (B, H, T, d) views: the layout SDPA takes
+        # without a copy, and rows of the matmul's output, so the copy reads and writes in order.
+        outs = [qkv.new_empty(B, T, n, d) for n in (n_q, n_kv, n_kv)]
+        out_parts = [(0, (T * n * d, n * d, d)) for n in (n_q, n_kv, n_kv)]
+        _launch_rope((qkv, qkv, qkv), _fused_parts(T, n_q, n_kv, d), outs, out_parts, cos, sin, n_q, n_kv, B, T, d, 1)
+        ctx.save_for_backward(cos, sin)
+        ctx.n = (n_q, n_kv)
+        return tuple(out.transpose(1, 2) for out in outs)
 
-
-@torch.library.custom_op("lmfs::rope_qkv", mutates_args=())
-def _rope_qkv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int,
-                 n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, T, width = qkv.shape
-    d = width // (n_q + 2 * n_kv)
-    # Outputs (B, T, H, d): rows of the matmul's output, so the kernel reads and writes in order;
-    # rope_qkv hands them out as (B, H, T, d) views, a layout SDPA takes without a copy.
-    outs = [qkv.new_empty(B, T, n, d) for n in (n_q, n_kv, n_kv)]
-    out_parts = [(0, (T * n * d, n * d, d)) for n in (n_q, n_kv, n_kv)]
-    _launch_rope((qkv, qkv, qkv), _fused_parts(T, n_q, n_kv, d), outs, out_parts, cos, sin, n_q, n_kv, B, T, d, 1)
-    return tuple(outs)
-
-
-@_rope_qkv_op.register_fake
-def _(qkv, cos, sin, n_q, n_kv):
-    B, T, width = qkv.shape
-    d = width // (n_q + 2 * n_kv)
-    return tuple(qkv.new_empty(B, T, n, d) for n in (n_q, n_kv, n_kv))
-
-
-@torch.library.custom_op("lmfs::rope_qkv_backward", mutates_args=())
-def _rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor) -> torch.Tensor:
-    # The gradients as they come: (B, T, H, d) with any strides, the last dimension contiguous.
-    grads = [g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv)]
-    B, T, n_q, d = dq.shape
-    n_kv = dk.shape[2]
-    grad_parts = [(0, (g.stride(0), g.stride(1), g.stride(2))) for g in grads]
-    dqkv = dq.new_empty(B, T, (n_q + 2 * n_kv) * d)
-    _launch_rope(grads, grad_parts, (dqkv, dqkv, dqkv), _fused_parts(T, n_q, n_kv, d), cos, sin, n_q, n_kv,
-                 B, T, d, -1)
-    return dqkv
-
-
-@_rope_qkv_backward_op.register_fake
-def _(dq, dk, dv, cos, sin):
-    B, T, n_q, d = dq.shape
-    return dq.new_empty(B, T, (n_q + 2 * dk.shape[2]) * d)
-
-
-def _rope_qkv_setup(ctx, inputs, output):
-    _, cos, sin, _, _ = inputs
-    ctx.save_for_backward(cos, sin)
-
-
-def _rope_qkv_grad(ctx, dq, dk, dv):
-    cos, sin = ctx.saved_tensors
-    return _rope_qkv_backward_op(dq, dk, dv, cos, sin), None, None, None, None
-
-
-_rope_qkv_op.register_autograd(_rope_qkv_grad, setup_context=_rope_qkv_setup)
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        n_q, n_kv = ctx.n
+        B, _, T, d = dq.shape
+        grads = [g if g is not None else torch.zeros(B, n, T, d, device=cos.device, dtype=dq.dtype)
+                 for g, n in ((dq, n_q), (dk, n_kv), (dv, n_kv))]
+        # The gradients as they come, (B, H, T, d) with any strides (only the last contiguous).
+        grads = [g if g.stride(-1) == 1 else g.contiguous() for g in grads]
+        grad_parts = [(0, (g.stride(0), g.stride(2), g.stride(1))) for g in grads]
+        dqkv = grads[0].new_empty(B, T, (n_q + 2 * n_kv) * d)
+        _launch_rope(grads, grad_parts, (dqkv, dqkv, dqkv), _fused_parts(T, n_q, n_kv, d), cos, sin, n_q, n_kv,
+                     B, T, d, -1)
+        return dqkv, None, None, None, None
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
@@ -182,8 +152,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.dtype != torch.float32:
         raise TypeError(f"rope_qkv: the angle tables must be float32, got {cos.dtype}")
-    q, k, v = _rope_qkv_op(qkv.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, n_kv_heads)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return _RopeQKV.apply(qkv.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, n_kv_heads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,45 +189,25 @@ def _swiglu_bwd_kernel(gu_ptr, dh_ptr, dgu_ptr, F, BLOCK: tl.constexpr):
 SWIGLU_BLOCK = 1024
 
 
-@torch.library.custom_op("lmfs::swiglu", mutates_args=())
-def _swiglu_op(gu: torch.Tensor) -> torch.Tensor:
-    F = gu.shape[-1] // 2
-    rows = gu.numel() // gu.shape[-1]
-    h = gu.new_empty(*gu.shape[:-1], F)
-    _swiglu_fwd_kernel[(rows, triton.cdiv(F, SWIGLU_BLOCK))](gu, h, F, BLOCK=SWIGLU_BLOCK, num_warps=4)
-    return h
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu):
+        F = gu.shape[-1] // 2
+        rows = gu.numel() // gu.shape[-1]
+        h = gu.new_empty(*gu.shape[:-1], F)
+        _swiglu_fwd_kernel[(rows, triton.cdiv(F, SWIGLU_BLOCK))](gu, h, F, BLOCK=SWIGLU_BLOCK, num_warps=4)
+        ctx.save_for_backward(gu)
+        return h
 
-
-@_swiglu_op.register_fake
-def _(gu):
-    return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
-
-
-@torch.library.custom_op("lmfs::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(gu: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-    F = gu.shape[-1] // 2
-    rows = gu.numel() // gu.shape[-1]
-    dgu = torch.empty_like(gu)
-    _swiglu_bwd_kernel[(rows, triton.cdiv(F, SWIGLU_BLOCK))](gu, dh.contiguous(), dgu, F, BLOCK=SWIGLU_BLOCK,
-                                                             num_warps=4)
-    return dgu
-
-
-@_swiglu_backward_op.register_fake
-def _(gu, dh):
-    return torch.empty_like(gu)
-
-
-def _swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-def _swiglu_grad(ctx, dh):
-    (gu,) = ctx.saved_tensors
-    return _swiglu_backward_op(gu, dh)
-
-
-_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+    @staticmethod
+    def backward(ctx, dh):
+        (gu,) = ctx.saved_tensors
+        F = gu.shape[-1] // 2
+        rows = gu.numel() // gu.shape[-1]
+        dgu = torch.empty_like(gu)
+        _swiglu_bwd_kernel[(rows, triton.cdiv(F, SWIGLU_BLOCK))](gu, dh.contiguous(), dgu, F, BLOCK=SWIGLU_BLOCK,
+                                                                 num_warps=4)
+        return dgu
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -267,7 +216,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     check_tensors("swiglu", gate_up=gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dimension holds gate and up, so it must be even; got {tuple(gate_up.shape)}")
-    return _swiglu_op(gate_up.contiguous())
+    return _SwiGLU.apply(gate_up.contiguous())
 
 
 # ----------------------------------------------------------------------------------------------
