@@ -10,6 +10,10 @@
                            recomputation, causal block skipping, autotuned on a GPU
 :func:`flash_attention_torch`  the same algorithm in readable PyTorch loops
 :func:`online_softmax`     softmax one block of columns at a time (FlashAttention's trick)
+:func:`rope_qkv`           heads of a fused q/k/v projection with RoPE on q and k, the
+                           backward writing one fused gradient (:mod:`lmfs.kernels.fused`)
+:func:`swiglu`             ``silu(gate)·up`` on a fused gate/up projection, likewise
+:func:`cross_entropy_rows` loss and logit gradient of a chunk of rows in one pass
 =========================  ==========================================================
 
 Without a CUDA GPU, importing this package switches Triton to its interpreter (``INTERPRET`` is
@@ -20,9 +24,11 @@ sizes. Benchmarks: ``python -m lmfs.bench kernels`` and ``python -m lmfs.bench a
 from lmfs.kernels._triton import INTERPRET
 from lmfs.kernels.flash_attention import (HEAD_DIMS, flash_attention, flash_attention_forward,
                                           flash_attention_torch, online_softmax)
+from lmfs.kernels.fused import cross_entropy_rows, rope_qkv, swiglu
 from lmfs.kernels.gelu import cuda_toolchain_problem, gelu, gelu_cuda, gelu_torch
 from lmfs.kernels.rmsnorm import rms_norm
 from lmfs.kernels.softmax import softmax
 
-__all__ = ["INTERPRET", "HEAD_DIMS", "cuda_toolchain_problem", "flash_attention", "flash_attention_forward",
-           "flash_attention_torch", "gelu", "gelu_cuda", "gelu_torch", "online_softmax", "rms_norm", "softmax"]
+__all__ = ["INTERPRET", "HEAD_DIMS", "cross_entropy_rows", "cuda_toolchain_problem", "flash_attention",
+           "flash_attention_forward", "flash_attention_torch", "gelu", "gelu_cuda", "gelu_torch", "online_softmax",
+           "rms_norm", "rope_qkv", "softmax", "swiglu"]
