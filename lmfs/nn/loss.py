@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from lmfs.nn.layers import TRITON_AVAILABLE
+
 IGNORE_INDEX = -100
 CHUNK_BYTES = 2**28  # float32 logits of one chunk: 256 MiB
 
@@ -112,5 +114,5 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     chunk = chunk or default_chunk(weight.shape[0])
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    kernel = kernel and h.is_cuda and softcap is None
+    kernel = kernel and h.is_cuda and softcap is None and TRITON_AVAILABLE
     return _LinearCrossEntropy.apply(h, weight, targets, z_loss, softcap, chunk, need_grad, kernel)
