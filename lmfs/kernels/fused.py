@@ -13,8 +13,9 @@ crosses memory once, forward and backward:
   backward writes ``dgate`` and ``dup`` into one ``(..., 2F)`` tensor reading each input once
   (Inductor's version of that ``cat`` loaded the inputs once per output half: 1.8× the time).
 * :func:`cross_entropy_rows`: the loss and its gradient with respect to the logits of a chunk
-  of rows in one pass over the logits (one row per program, the whole row in registers), for
-  :func:`lmfs.nn.linear_cross_entropy`. Inductor's reduction reads every logit three times.
+  of rows in one kernel (one row per program: an online-softmax pass, then the gradient pass,
+  which reads the row again mostly from the L2 cache), for :func:`lmfs.nn.linear_cross_entropy`:
+  119 µs a chunk on an H200 where Inductor's kernel for the same work took 144 µs.
 
 The PyTorch versions in :mod:`lmfs.nn` are the references; the model calls these only on a GPU
 (``TransformerConfig.triton_kernels``). Forward and backward are computed in float32 and stored in
@@ -316,8 +317,8 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
     (The whole gradient buffer and an offset, not a slice of it, so that under ``torch.compile``
     the kernel writes into the buffer in place.)
 
-    One program per row keeps the whole row in registers: the logits are read once and the
-    gradient written once. Not differentiable itself: :func:`lmfs.nn.linear_cross_entropy` calls
+    One program per row (:data:`CE_KERNEL` picks how it walks the row); the gradient is written
+    once. Not differentiable itself: :func:`lmfs.nn.linear_cross_entropy` calls
     it in its forward, which makes the gradient there.
     """
     check_tensors("cross_entropy_rows", logits=logits)
@@ -331,16 +332,13 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
         raise ValueError(f"cross_entropy_rows: logits must be contiguous (n, V) and grad a contiguous "
                          f"(≥ grad_row + n, V) tensor; got logits {tuple(logits.shape)}, grad "
                          f"{None if grad is None else tuple(grad.shape)}, grad_row {grad_row}")
-    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
     if CE_KERNEL == "looped":
-        _cross_entropy_looped_kernel[(n,)](logits, targets.contiguous(), scale, loss, grad if grad is not None else logits,
-                                           grad_row, V, float(z_loss), ignore_index, BLOCK_V=min(CE_BLOCK,
-                                           triton.next_power_of_2(V)), NEED_GRAD=grad is not None,
-                                           Z_LOSS=bool(z_loss), num_warps=CE_WARPS)
-        return loss
-    block = row_block("cross_entropy_rows", V, limit=65536)
-    _cross_entropy_kernel[(n,)](logits, targets.contiguous(), scale, loss, grad if grad is not None else logits,
-                                grad_row, V,
-                                float(z_loss), ignore_index, BLOCK_V=block, NEED_GRAD=grad is not None,
-                                Z_LOSS=bool(z_loss), num_warps=row_warps(block))
+        kernel, block, warps = _cross_entropy_looped_kernel, min(CE_BLOCK, triton.next_power_of_2(V)), CE_WARPS
+    else:
+        block = row_block("cross_entropy_rows", V, limit=65536)
+        kernel, warps = _cross_entropy_kernel, row_warps(block)
+    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
+    kernel[(n,)](logits, targets.contiguous(), scale, loss, grad if grad is not None else logits, grad_row, V,
+                 float(z_loss), ignore_index, BLOCK_V=block, NEED_GRAD=grad is not None, Z_LOSS=bool(z_loss),
+                 num_warps=warps)
     return loss

@@ -77,16 +77,16 @@ def fused_linear(x: torch.Tensor, layers: Sequence[Linear], split: bool = True) 
     return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
 
 
+# Whether the ``triton`` package is installed (it has wheels for Linux only): a constant, which
+# torch.compile reads without tracing a call.
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def kernels_apply(x: torch.Tensor, weight: torch.Tensor, enabled: bool = True) -> bool:
     """Whether a fused projection of ``x`` takes the Triton kernels of :mod:`lmfs.kernels.fused`:
     ``enabled`` (``TransformerConfig.triton_kernels``), ``x`` on a CUDA GPU, under autocast (the
     only case in which projections are fused, see :func:`project`), and Triton installed."""
     return enabled and x.is_cuda and autocast_casts(x, weight) and TRITON_AVAILABLE
-
-
-# Whether the ``triton`` package is installed (it has wheels for Linux only): a constant, which
-# torch.compile reads without tracing a call.
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def project(x: torch.Tensor, layers: Sequence[Linear], fuse: bool = True) -> tuple[torch.Tensor, ...]:
