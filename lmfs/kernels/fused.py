@@ -22,14 +22,24 @@ The PyTorch versions in :mod:`lmfs.nn` are the references; the model calls these
 the inputs' dtype.
 
 Measured on an H200 (GPT-2 small, 16 × 1024 tokens, compiled; README): with these kernels fused
-projections take a training step from 30.0 ms (separate projections) to 28.2 ms; fused projections
-without them take 32.0 ms. What is left: ``torch.compile`` traces into the autograd Functions and
-"functionalises" each kernel's writes into the buffers it was handed, and Inductor still copies
-some of them (1.2 ms of copies a step: q, k, v after the forward kernel, one gradient in the
-backward). Wrapping the kernels as ``torch.library.custom_op`` instead removed the copies but made
-every call a trip through Python and the dispatcher: the gaps between kernels grew from 1.0 to
-3.5 ms and the step to 30.3 ms, so the Functions stay. (``torch.library.triton_op``, which lets
-Inductor launch the kernels itself, is the untried next step.)
+projections take a training step from 30.0 ms (separate projections) to 27.5–27.7 ms; fused
+projections without them take 32.0 ms. ``torch.compile`` traces into the autograd Functions and
+"functionalises" each kernel's writes into the buffers it was handed, and Inductor may copy them:
+
+* :class:`_RopeQKV` returns the ``(B, T, H, d)`` tensors it made and :func:`rope_qkv` transposes
+  them outside the Function. Returning the transposed views from inside made Inductor copy q, k
+  and v after every forward kernel (36 × 14 µs a step); moving the transposes took the step
+  from 28.0–28.2 to 27.5–27.7 ms.
+* One copy is left and kept on purpose: the backward kernel receives the fused gradient three
+  times (once per part), and Inductor copies it (12 × 54 µs a step). Handing the kernel that
+  tensor once (a wrapper kernel with one destination) removed the copy but made the step
+  *slower*, 29.1 ms, with the matmuls 9% slower and 1 ms more idle time between kernels; so did
+  a forward kernel that takes the fused input once (29.4 ms). Both were measured side by side
+  with this version on two GPUs of one machine; the cause is not known.
+* Wrapping the kernels as ``torch.library.custom_op`` removed the copies but made every call a
+  trip through Python and the dispatcher: the gaps between kernels grew from 1.0 to 3.5 ms and
+  the step to 30.3 ms, so the Functions stay. (``torch.library.triton_op``, which lets Inductor
+  launch the kernels itself, is untried.)
 """
 
 from __future__ import annotations
@@ -117,25 +127,26 @@ class _RopeQKV(torch.autograd.Function):
     def forward(ctx, qkv, cos, sin, n_q, n_kv):
         B, T, width = qkv.shape
         d = width // (n_q + 2 * n_kv)
-        # Outputs (B, T, H, d) in memory, handed out as (B, H, T, d) views: the layout SDPA takes
-        # without a copy, and rows of the matmul's output, so the copy reads and writes in order.
+        # Outputs (B, T, H, d): rows of the matmul's output, so the kernel reads and writes in order;
+        # rope_qkv hands them out as (B, H, T, d) views, the layout SDPA takes without a copy.
         outs = [qkv.new_empty(B, T, n, d) for n in (n_q, n_kv, n_kv)]
         out_parts = [(0, (T * n * d, n * d, d)) for n in (n_q, n_kv, n_kv)]
         _launch_rope((qkv, qkv, qkv), _fused_parts(T, n_q, n_kv, d), outs, out_parts, cos, sin, n_q, n_kv, B, T, d, 1)
         ctx.save_for_backward(cos, sin)
         ctx.n = (n_q, n_kv)
-        return tuple(out.transpose(1, 2) for out in outs)
+        # The tensors themselves, not transposed views of them (views made Inductor copy them).
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
         n_q, n_kv = ctx.n
-        B, _, T, d = dq.shape
-        grads = [g if g is not None else torch.zeros(B, n, T, d, device=cos.device, dtype=dq.dtype)
+        B, T, _, d = dq.shape
+        grads = [g if g is not None else torch.zeros(B, T, n, d, device=cos.device, dtype=dq.dtype)
                  for g, n in ((dq, n_q), (dk, n_kv), (dv, n_kv))]
-        # The gradients as they come, (B, H, T, d) with any strides (only the last contiguous).
+        # The gradients as they come, (B, T, H, d) with any strides (only the last contiguous).
         grads = [g if g.stride(-1) == 1 else g.contiguous() for g in grads]
-        grad_parts = [(0, (g.stride(0), g.stride(2), g.stride(1))) for g in grads]
+        grad_parts = [(0, (g.stride(0), g.stride(1), g.stride(2))) for g in grads]
         dqkv = grads[0].new_empty(B, T, (n_q + 2 * n_kv) * d)
         _launch_rope(grads, grad_parts, (dqkv, dqkv, dqkv), _fused_parts(T, n_q, n_kv, d), cos, sin, n_q, n_kv,
                      B, T, d, -1)
@@ -163,7 +174,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.dtype != torch.float32:
         raise TypeError(f"rope_qkv: the angle tables must be float32, got {cos.dtype}")
-    return _RopeQKV.apply(qkv.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, n_kv_heads)
+    q, k, v = _RopeQKV.apply(qkv.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, n_kv_heads)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------
