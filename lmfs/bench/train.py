@@ -40,8 +40,9 @@ optimizer, autocast and compile mode (``--compile-mode``, the same for every com
   loss), ``+kern`` / ``-kern`` (``config.triton_kernels``), ``+cudnn`` / ``+flash`` /
   ``+efficient`` (the SDPA kernel to try first, also for ``hf``; by default each side gets SDPA's
   own choice), ``-eager`` (not compiled). E.g. ``lmfs-proj`` or ``lmfs-kern``. Measured on an
-  H200 (README): fused projections with the kernels 28.2 ms a step, separate projections 30.0,
-  fused projections without the kernels 32.0 (Inductor's backward of the split is slow).
+  H200 in one run (README): fused projections with the kernels 28.2 ms a step, separate
+  projections 30.0, fused projections without the kernels 32.0 (Inductor's backward of the split
+  is slow); the default is at 27.5–27.7 ms since a later RoPE change.
 
 The table gives each variant's tokens/s relative to ``hf`` and to ``baseline`` when those ran.
 ``--profile`` adds each variant's kernel table and a summary of GPU time per step by kind of

@@ -59,8 +59,9 @@ class TransformerConfig:
     attn_impl: str = "sdpa"             # "sdpa" (fused) | "reference"; attn_softcap forces reference
     # How the model runs, not what it computes (same parameters, same function):
     # Under autocast, q/k/v (and gate/up) as one matmul each. With the Triton kernels below, a
-    # compiled GPT-2-small training step on an H200 takes 28.2 ms instead of 30.0 unfused (README);
-    # fused without them, 32.0: Inductor's backward for the split is slow.
+    # compiled GPT-2-small training step on an H200 took 28.2 ms against 30.0 unfused and 32.0
+    # fused without them (one run; Inductor's backward for the split is slow); 27.5-27.7 ms since
+    # session 5's RoPE change (README).
     fused_projections: bool = True
     sdpa_backend: str = "auto"          # CUDA: SDPA kernel to try first; "auto": torch's own order
     # On a CUDA GPU, the Triton kernels of lmfs.kernels.fused for the chunked loss and, with fused
