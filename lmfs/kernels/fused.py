@@ -119,7 +119,8 @@ def _launch_rope(srcs, src_parts, dsts, dst_parts, cos, sin, n_q, n_kv, B, T, d,
 def _fused_parts(T: int, n_q: int, n_kv: int, d: int):
     """Offsets and (batch, token, head) strides of q, k, v in a contiguous ``(B, T, (n_q + 2·n_kv)·d)``."""
     width = (n_q + 2 * n_kv) * d
-    return [(0, (T * width, width, d)), (n_q * d, (T * width, width, d)), ((n_q + n_kv) * d, (T * width, width, d))]
+    strides = (T * width, width, d)  # the same for all three parts: only their offsets differ
+    return [(0, strides), (n_q * d, strides), ((n_q + n_kv) * d, strides)]
 
 
 class _RopeQKV(torch.autograd.Function):
