@@ -61,7 +61,7 @@ gpu-suite:
 	bash scripts/gpu_suite.sh
 
 bench-tokenizer: venv
-	$(BIN)/python -m lmfs.bench.tokenizer
+	$(BIN)/python -m lmfs.benchmarks bpe
 
 clean:
 	rm -rf build .pytest_cache

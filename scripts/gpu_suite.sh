@@ -4,7 +4,7 @@
 #   1. installs .wheelhouse/*.whl into a temporary folder (no network needed),
 #   2. runs the GPU-marked unit tests (and the rest of the unit tests, on the GPU's Python),
 #   3. runs every lecture notebook at full scale with papermill,
-#   4. runs the GPU benchmarks listed in GPU_BENCHES (e.g. "train kernels attention probes";
+#   4. runs the GPU benchmarks listed in GPU_BENCHES (e.g. "train-step kernels attention probes";
 #      on 2 GPUs also "collectives data-parallel"),
 #   5. writes a report to $OUT (default build/gpu): report.md, lectures.json, pytest.log,
 #      bench-*.json and notebooks.tar.gz (the executed notebooks, with their outputs).
@@ -64,7 +64,7 @@ fi
 for bench in $GPU_BENCHES; do
   echo "== benchmark $bench =="
   { echo; echo "## Benchmark: $bench"; echo; echo '```'; } >> "$report"
-  python3 -m lmfs.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$report" || failed+=("bench $bench")
+  python3 -m lmfs.benchmarks "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$report" || failed+=("bench $bench")
   echo '```' >> "$report"
 done
 

@@ -159,7 +159,7 @@ def test_napkin_math_by_hand():
 
 
 def test_bench_runs_on_cpu(tmp_path, capsys):
-    from lmfs.bench.train import main
+    from lmfs.benchmarks.train_step import main
 
     result = main(["--steps", "2", "--device", "cpu", "--json", str(tmp_path / "bench.json")])
     out = capsys.readouterr().out

@@ -7,8 +7,8 @@ import matplotlib
 import pytest
 import torch
 
-from lmfs.bench.__main__ import BENCHMARKS
-from lmfs.bench.__main__ import main as bench_main
+from lmfs.benchmarks.__main__ import BENCHMARKS
+from lmfs.benchmarks.__main__ import main as bench_main
 from lmfs.bench.probes import copy_bandwidth, matmul_rate, strided_copy_bandwidth
 from lmfs.bench.roofline import (HBM_BANDWIDTH, SM_COUNT, arithmetic_intensity, attainable_flops, datasheet,
                                  matmul_intensity, plot_roofline, predicted_matmul_rate, ridge_point, tile_waves)
@@ -153,7 +153,7 @@ def test_bench_command_lists_and_rejects(capsys):
     assert bench_main([]) == 0
     assert "attention" in capsys.readouterr().out
     assert bench_main(["nonsense"]) == 2
-    assert set(BENCHMARKS) == {"tokenizer", "train", "probes", "kernels", "attention", "collectives",
+    assert set(BENCHMARKS) == {"bpe", "train-step", "probes", "kernels", "attention", "collectives",
                                "data-parallel"}
     with pytest.raises(SystemExit) as exit_info:
         bench_main(["probes", "--help"])
@@ -162,7 +162,7 @@ def test_bench_command_lists_and_rejects(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU versions are benchmarks, not tests")
 def test_kernel_benchmarks_smoke_on_cpu(capsys):
-    from lmfs.kernels.bench import run_attention, run_kernels
+    from lmfs.benchmarks.triton_kernels import run_attention, run_kernels
 
     kernels = run_kernels()
     assert set(kernels["ops"]) == {"GeLU (tanh)", "softmax", "RMSNorm"}
@@ -212,7 +212,7 @@ def test_measured_rates_are_below_the_datasheet():
 
 
 def test_train_variants_parse():
-    from lmfs.bench.train import ABLATION, Variant, parse_variant, parse_variants
+    from lmfs.benchmarks.train_step import ABLATION, Variant, parse_variant, parse_variants
 
     assert parse_variant("lmfs") == Variant("lmfs")
     assert parse_variant("baseline") == Variant("baseline", fused_projections=True, fused_loss=False)
@@ -234,7 +234,7 @@ def test_train_variants_parse():
 def test_train_benchmark_variants_on_cpu(tmp_path, capsys):
     import json
 
-    from lmfs.bench.train import main
+    from lmfs.benchmarks.train_step import main
 
     path = tmp_path / "train.json"
     result = main(["--steps", "2", "--device", "cpu", "--variants", "baseline,lmfs-proj,lmfs+flash,hf,hf-eager",
@@ -255,7 +255,7 @@ def test_train_benchmark_variants_on_cpu(tmp_path, capsys):
 
 
 def test_train_benchmark_variant_names():
-    from lmfs.bench.train import parse_variant
+    from lmfs.benchmarks.train_step import parse_variant
 
     assert parse_variant("hf+flex").hf_attention == "flex_attention"
     assert parse_variant("hf").hf_attention == "sdpa"

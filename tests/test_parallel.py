@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmfs.parallel import run, run_each
-from lmfs.parallel.bench import bandwidth_worker
+from lmfs.benchmarks.collective_bandwidth import bandwidth_worker
 from lmfs.parallel.collectives import (collectives_table, compare_all_reduce, demo_collectives,
                                        reference_collectives)
 from lmfs.parallel.costs import STRATEGIES, cost_table, llama_70b, strategy_costs
@@ -427,7 +427,7 @@ def _no_leftover_process_group(monkeypatch):
 
 
 def test_data_parallel_benchmark_runs_and_zero3_halves_the_state(tmp_path):
-    from lmfs.parallel.train_bench import main
+    from lmfs.benchmarks.data_parallel import main
 
     result = main(["--steps", "2", "--json", str(tmp_path / "dp.json")])
     rows = {r["strategy"]: r for r in result["rows"]}

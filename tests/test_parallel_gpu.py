@@ -44,7 +44,7 @@ def test_strategies_on_nccl_match_one_gpu(monkeypatch):
 
 
 def test_data_parallel_benchmark_on_gpus(monkeypatch):
-    from lmfs.parallel.train_bench import main
+    from lmfs.benchmarks.data_parallel import main
 
     monkeypatch.delenv("LMFS_DIST_BACKEND", raising=False)
     result = main(["--steps", "3", "--batch-size", "2"])

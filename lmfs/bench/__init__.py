@@ -1,18 +1,11 @@
-"""Benchmarks that compare lmfs implementations with reference libraries, and the tools they use.
+"""Teaching tools for measuring: timers, profiler tables, bandwidth/matmul probes, the roofline, memory.
 
-Run one with ``python -m lmfs.bench NAME`` (see :mod:`lmfs.bench.__main__`):
+* :mod:`lmfs.bench.timing`: warm-up, device events, medians; a profiler table by kernel kind.
+* :mod:`lmfs.bench.probes`: the device's measured copy bandwidth and matmul rate.
+* :mod:`lmfs.bench.roofline`: the roofline and the tile/wave-quantisation model.
+* :mod:`lmfs.bench.memory`: tensors alive, saved activations and the peak of a training step.
 
-* ``tokenizer``: BPE training and encoding against Hugging Face ``tokenizers`` and ``tiktoken``
-* ``train``: training throughput, MFU and memory against Hugging Face Llama
-* ``probes``: the device's measured copy bandwidth and matmul rate (:mod:`lmfs.bench.probes`)
-* ``kernels``, ``attention``: the Triton kernels of :mod:`lmfs.kernels` against PyTorch
-* ``collectives``, ``data-parallel``: collective bandwidth, and DDP/FSDP training against PyTorch's
-  (:mod:`lmfs.parallel.bench`, :mod:`lmfs.parallel.train_bench`)
-
-Tools: :mod:`lmfs.bench.timing` (warm-up, device events, medians; a profiler table) and
-:mod:`lmfs.bench.roofline` (the roofline and the tile/wave-quantisation model). Only the
-standard library is imported here: each benchmark loads what it needs (Triton only for the kernel
-benchmarks).
+The harnesses that compare lmfs with peers live apart, in :mod:`lmfs.benchmarks`.
 """
 
 import json

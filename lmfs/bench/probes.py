@@ -1,6 +1,6 @@
 """Measure the device's two ceilings: memory bandwidth and matmul rate.
 
-    python -m lmfs.bench probes [--json out.json]
+    python -m lmfs.benchmarks probes [--json out.json]
 
 Datasheet figures are upper bounds; what a kernel can reach is what the simplest kernel that
 does nothing else reaches. So we measure:
@@ -116,7 +116,7 @@ def run(device=None) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m lmfs.bench probes", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmfs.benchmarks probes", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)

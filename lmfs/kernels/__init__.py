@@ -18,7 +18,7 @@
 
 Without a CUDA GPU, importing this package switches Triton to its interpreter (``INTERPRET`` is
 then true): the same kernels run on the CPU, slowly, which is enough to check them at small
-sizes. Benchmarks: ``python -m lmfs.bench kernels`` and ``python -m lmfs.bench attention``.
+sizes. Benchmarks: ``python -m lmfs.benchmarks kernels`` and ``python -m lmfs.benchmarks attention``.
 """
 
 from lmfs.kernels._triton import INTERPRET

@@ -580,7 +580,7 @@ _DQ_CONFIGS = {
 
 #: How many candidates of each list the autotuner tries (the first ones that fit); ``None``: all.
 #: Every candidate is compiled once per head dim, dtype and causal flag (about a second each), so
-#: a notebook with a time budget may lower it; ``python -m lmfs.bench attention`` tries them all.
+#: a notebook with a time budget may lower it; ``python -m lmfs.benchmarks attention`` tries them all.
 AUTOTUNE_CANDIDATES: int | None = None
 
 
@@ -652,7 +652,7 @@ else:
 #   "atomic": one kernel over key blocks that also adds dQ's shares atomically in float32:
 #             5 matmuls, plus a float32 dQ buffer (zeroed, then cast) and atomic traffic.
 # "split" is the default: Triton's own fused-attention tutorial and PyTorch's FlexAttention take
-# it on Hopper; ``python -m lmfs.bench attention`` times both.
+# it on Hopper; ``python -m lmfs.benchmarks attention`` times both.
 BACKWARDS = ("split", "atomic")
 DEFAULT_BACKWARD = "split"
 

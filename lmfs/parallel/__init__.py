@@ -5,7 +5,7 @@
 * :mod:`lmfs.parallel.comm`: collectives that count the bytes each rank sends.
 * :mod:`lmfs.parallel.collectives`: the eight collectives shown and checked; all-reduce as
   reduce-scatter + all-gather.
-* :mod:`lmfs.parallel.bench`: collective bandwidth (``python -m lmfs.parallel.bench``).
+* :mod:`lmfs.benchmarks.collective_bandwidth`: collective bandwidth (``python -m lmfs.benchmarks.collective_bandwidth``).
 * :mod:`lmfs.parallel.ddp`: data parallelism, naive and bucketed with overlap; the single-process
   reference every strategy is checked against.
 * :mod:`lmfs.parallel.zero`: ZeRO-1/2 sharded optimizer, ZeRO-3 / FSDP.

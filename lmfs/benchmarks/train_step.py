@@ -1,6 +1,6 @@
 """Training throughput, MFU and peak memory of lmfs's transformer, against Hugging Face Llama.
 
-    python -m lmfs.bench train [--variants lmfs,hf,hf+flex] [--json out.json] [--steps 30] [--profile]
+    python -m lmfs.benchmarks train [--variants lmfs,hf,hf+flex] [--json out.json] [--steps 30] [--profile]
 
 On CUDA, for a GPT-2-small-sized Llama-style model (d_model 768, 12 layers, 12 heads, context
 1024, vocabulary 32,000, SwiGLU, RoPE, RMSNorm, no biases, untied embeddings):
@@ -462,7 +462,7 @@ _FIELDS = [f.name for f in dataclasses.fields(Variant)]
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m lmfs.bench.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmfs.benchmarks.train_step", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed steps (after warm-up)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 on GPU)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,

@@ -1,9 +1,9 @@
 """Data-parallel training throughput and memory: lmfs's DDP and FSDP against PyTorch's.
 
-    python -m lmfs.bench data-parallel [--world-size 2] [--batch-size 16] [--steps 20] [--json out.json]
+    python -m lmfs.benchmarks data-parallel [--world-size 2] [--batch-size 16] [--steps 20] [--json out.json]
 
 On ``n`` GPUs (NCCL, one process each) every strategy trains the GPT-2-small-shaped model of
-:mod:`lmfs.bench.train` (134M parameters, context 1024, vocabulary 32,000) with the same local
+:mod:`lmfs.benchmarks.train_step` (134M parameters, context 1024, vocabulary 32,000) with the same local
 batch per GPU, so ``n`` GPUs process ``n`` times the tokens of one (weak scaling):
 
 =============  ==============================================================================
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from lmfs.bench import save_json
 from lmfs.bench.timing import benchmark, profile_table
-from lmfs.bench.train import gpt2_small, tiny
+from lmfs.benchmarks.train_step import gpt2_small, tiny
 from lmfs.parallel.ddp import DDP, build_model, memory_report
 from lmfs.parallel.launch import device_for, run
 from lmfs.parallel.zero import FullyShardedModel
@@ -182,9 +182,9 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m lmfs.bench data-parallel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmfs.benchmarks data-parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per GPU (default 16, as lmfs.bench.train; 2 on CPU)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per GPU (default 16, as lmfs.benchmarks.train_step; 2 on CPU)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, from: "
                         + ", ".join(STRATEGIES))

@@ -1,4 +1,4 @@
-"""Collective bandwidth benchmark: ``python -m lmfs.bench collectives [--world-size 2] [--json out.json]``.
+"""Collective bandwidth benchmark: ``python -m lmfs.benchmarks collectives [--world-size 2] [--json out.json]``.
 
 For each collective and message size: a few warm-up calls, then timed calls (CUDA events on
 GPUs, wall clock on CPUs); each rank takes its median and the slowest rank's median counts, since

@@ -165,7 +165,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             compile=True,
             # a few lengths: each new one re-times the candidates (~1 s), the kernels are compiled once
             attn_seq_lens=(1024, 4096, 8192), attn_head_dims=(128,), attn_tokens=16384, attn_heads=16,
-            attn_backwards=("split",),     # the default backward only; `python -m lmfs.bench attention` times both
+            attn_backwards=("split",),     # the default backward only; `python -m lmfs.benchmarks attention` times both
             # the first 2 autotuning candidates per kernel (of up to 7; the H200's winners come
             # first): 12 compiled attention kernels instead of 30 for D = 128, causal and not. The
             # notebook took 136 s on a fresh H200 with 3 (45 s of it building the CUDA GeLU once).
@@ -184,7 +184,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "full": dict(
             collective_ranks=4,            # 4 ranks > 2 GPUs: these run on gloo even here
             bench_ranks=2,
-            bench_sizes=None,              # lmfs.parallel.bench's default: 1 MB .. 1 GB on GPUs
+            bench_sizes=None,              # lmfs.benchmarks.collective_bandwidth's default: 1 MB .. 1 GB on GPUs
             bench_warmup=5, bench_iters=20,
             torchrun_max_mb=64,
             copy_bytes=2**30,

@@ -1,7 +1,7 @@
 """Benchmarks of :mod:`lmfs.kernels` against PyTorch: first check the outputs agree, then time.
 
-    python -m lmfs.bench kernels   [--json out.json] [--no-compile]
-    python -m lmfs.bench attention [--json out.json] [--seq-lens 1024 2048 ...] [--head-dims 64 128]
+    python -m lmfs.benchmarks kernels   [--json out.json] [--no-compile]
+    python -m lmfs.benchmarks attention [--json out.json] [--seq-lens 1024 2048 ...] [--head-dims 64 128]
 
 **kernels**: GeLU, softmax and RMSNorm are memory-bound (a few FLOPs per byte), so they are
 scored in GB/s of the *fewest* bytes each must move: forward reads x and writes y (2 × size),

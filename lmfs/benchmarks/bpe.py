@@ -1,6 +1,6 @@
 """Benchmark lmfs's byte-level BPE against Hugging Face ``tokenizers`` and ``tiktoken``.
 
-    python -m lmfs.bench.tokenizer [--mb 30] [--vocab-size 10000] [--json out.json]
+    python -m lmfs.benchmarks.bpe [--mb 30] [--vocab-size 10000] [--json out.json]
 
 Two texts of ``--mb`` MiB each are written to a temporary folder: synthetic stories
 (:func:`lmfs.data.corpora.write_stories`) and the CPython standard library's source
@@ -171,7 +171,7 @@ def child_stream(tokdir: str, path: str) -> dict:
 def run_child(kind: str, workdir: Path, env_extra: dict | None = None, **kwargs) -> dict:
     """Run ``kind`` in a fresh Python process and return what it pickled."""
     out = workdir / f"child-{kind}.pkl"
-    cmd = [sys.executable, "-m", "lmfs.bench.tokenizer", "--child", kind, "--child-out", str(out),
+    cmd = [sys.executable, "-m", "lmfs.benchmarks.bpe", "--child", kind, "--child-out", str(out),
            "--child-args", json.dumps(kwargs)]
     env = dict(os.environ, **(env_extra or {}))
     subprocess.run(cmd, check=True, env=env)

@@ -1,0 +1,50 @@
+"""``python -m lmfs.benchmarks NAME [options]``: run one benchmark (``python -m lmfs.benchmarks`` lists them).
+
+Each benchmark prints a table and takes ``--json PATH`` to save its numbers; ``NAME --help``
+shows its options. A benchmark's module is imported only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, entry point taking argv, what it measures)
+BENCHMARKS = {
+    "bpe": ("lmfs.benchmarks.bpe", "main", "BPE training and encoding vs HF tokenizers and tiktoken"),
+    "train-step": ("lmfs.benchmarks.train_step", "main", "training tokens/s, MFU and memory vs Hugging Face Llama"),
+    "probes": ("lmfs.bench.probes", "main", "copy bandwidth, strided reads, matmul rate per dtype"),
+    "kernels": ("lmfs.benchmarks.triton_kernels", "main_kernels",
+                "GeLU, softmax, RMSNorm GB/s vs PyTorch and torch.compile"),
+    "attention": ("lmfs.benchmarks.triton_kernels", "main_attention",
+                  "FlashAttention TFLOP/s vs SDPA and naive attention"),
+    "collectives": ("lmfs.benchmarks.collective_bandwidth", "main",
+                    "all-reduce/all-gather/reduce-scatter bandwidth, 1 MB-1 GB"),
+    "data-parallel": ("lmfs.benchmarks.data_parallel", "main", "DDP and FSDP tokens/s and memory vs PyTorch's"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m lmfs.benchmarks NAME [options]   (NAME --help for its options)", "",
+             "benchmarks:"]
+    lines += [f"  {name:<13} {what}" for name, (_, _, what) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, entry, _ = BENCHMARKS[name]
+    sys.argv[0] = f"python -m lmfs.benchmarks {name}"  # what argparse shows in the benchmark's usage line
+    getattr(importlib.import_module(module), entry)(rest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
