@@ -1,18 +1,30 @@
-"""The lecture list, notebook hygiene, and running lectures with papermill.
+"""The lecture list, notebook hygiene, running lectures with papermill, the lecture table, the book.
 
-Command line (the Makefile's ``lectures``, ``clean-notebooks`` and ``check-notebooks`` targets)::
+Command line (the Makefile's ``lectures``, ``book``, ``clean-notebooks`` and ``check-notebooks``)::
 
     python -m lmfs.lectures run   [--scale smoke|full|auto] [--device auto|cpu|cuda] [--only 01 06]
                                   [--out build] [--timeout 900]
+    python -m lmfs.lectures table --from build/lectures.json [build/gpu/lectures.json]
+                                  [--update README.md]
+    python -m lmfs.lectures book  --from build --out build/book
     python -m lmfs.lectures clean  # strip outputs/execution counts from lectures/*.ipynb
     python -m lmfs.lectures check  # report hygiene problems, exit 1 if any
+
+``run`` writes ``lectures.json`` (scale, device, and per lecture: status and seconds) beside the
+executed notebooks. ``table`` turns one or more of those files (say a smoke run on a CPU and a full
+run on a GPU) into the README's markdown lecture table; ``--update`` replaces the lines between
+``<!-- lectures:start -->`` and ``<!-- lectures:end -->`` in the given file. ``book`` renders the
+executed notebooks of a folder to HTML pages with an ``index.html``, so the results of a full-scale
+run can be read without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +40,7 @@ class Lecture:
     stem: str
     title: str
     builds: str
+    status: str = "ready"  # "ready": the notebook is in lectures/; "planned": not written yet
 
     @property
     def filename(self) -> str:
@@ -39,20 +52,20 @@ LECTURES = [
     Lecture("01", "01_overview_tokenization", "Overview and tokenization", "lmfs.tokenization: byte-level BPE trainer and tokenizer"),
     Lecture("02", "02_pytorch_resource_accounting", "PyTorch and resource accounting", "lmfs.accounting, lmfs.optim, training-loop pieces"),
     Lecture("03", "03_architectures_hyperparameters", "Architectures and hyperparameters", "lmfs.nn: configurable Transformer LM, HF Llama conversion"),
-    Lecture("04", "04_mixture_of_experts", "Mixture of experts", "lmfs.nn.moe: routers, experts, balancing losses"),
+    Lecture("04", "04_mixture_of_experts", "Mixture of experts", "lmfs.nn.moe: routers, experts, balancing losses", "planned"),
     Lecture("05", "05_gpus", "GPUs", "lmfs.bench: timers, bandwidth/matmul probes, roofline, wave quantisation"),
     Lecture("06", "06_kernels_triton", "Kernels and Triton", "lmfs.kernels: Triton GeLU, softmax, RMSNorm, FlashAttention-2"),
     Lecture("07", "07_parallelism_1", "Parallelism 1", "lmfs.parallel: launcher, collectives, bandwidth, cost calculator"),
     Lecture("08", "08_parallelism_2", "Parallelism 2", "lmfs.parallel: DDP, ZeRO/FSDP, tensor, pipeline, expert, ring attention"),
-    Lecture("09", "09_scaling_laws_1", "Scaling laws 1", "lmfs.scaling: power-law and Chinchilla fits, IsoFLOP sweeps"),
-    Lecture("10", "10_inference", "Inference", "lmfs.inference: KV cache, sampling, quantisation, speculative decoding, batching"),
-    Lecture("11", "11_scaling_laws_2", "Scaling laws 2", "lmfs.scaling.mup, WSD schedule"),
-    Lecture("12", "12_evaluation", "Evaluation", "lmfs.eval: perplexity, harnesses, pass@k, contamination"),
-    Lecture("13", "13_data_1", "Data 1", "lmfs.data: WARC, extraction, language id, PII, quality rules"),
-    Lecture("14", "14_data_2", "Data 2", "lmfs.data: n-gram LM, classifiers, DSIR, Bloom filter, MinHash dedup"),
-    Lecture("15", "15_alignment_sft_rlhf", "Alignment: SFT and RLHF", "lmfs.alignment: SFT, reward model, DPO"),
-    Lecture("16", "16_alignment_rl_1", "Alignment: RL 1", "lmfs.alignment: policy gradients, GRPO"),
-    Lecture("17", "17_alignment_rl_2", "Alignment: RL 2", "lmfs.alignment: full GRPO trainer with the inference engine"),
+    Lecture("09", "09_scaling_laws_1", "Scaling laws 1", "lmfs.scaling: power-law and Chinchilla fits, IsoFLOP sweeps", "planned"),
+    Lecture("10", "10_inference", "Inference", "lmfs.inference: KV cache, sampling, quantisation, speculative decoding, batching", "planned"),
+    Lecture("11", "11_scaling_laws_2", "Scaling laws 2", "lmfs.scaling.mup, WSD schedule", "planned"),
+    Lecture("12", "12_evaluation", "Evaluation", "lmfs.eval: perplexity, harnesses, pass@k, contamination", "planned"),
+    Lecture("13", "13_data_1", "Data 1", "lmfs.data: WARC, extraction, language id, PII, quality rules", "planned"),
+    Lecture("14", "14_data_2", "Data 2", "lmfs.data: n-gram LM, classifiers, DSIR, Bloom filter, MinHash dedup", "planned"),
+    Lecture("15", "15_alignment_sft_rlhf", "Alignment: SFT and RLHF", "lmfs.alignment: SFT, reward model, DPO", "planned"),
+    Lecture("16", "16_alignment_rl_1", "Alignment: RL 1", "lmfs.alignment: policy gradients, GRPO", "planned"),
+    Lecture("17", "17_alignment_rl_2", "Alignment: RL 2", "lmfs.alignment: full GRPO trainer with the inference engine", "planned"),
 ]
 LECTURE_FILENAMES = {lec.filename for lec in LECTURES}
 
@@ -137,6 +150,19 @@ class RunResult:
     error: str = ""
 
 
+def _quiet_kernel_config():
+    """Kernel-manager config for papermill: talk to the kernel over IPC sockets, not TCP.
+
+    Over TCP, ipykernel logs "Kernel is running over TCP without encryption ..." to stderr at every
+    start, which buries the lecture table of ``make lectures``. IPC (Unix domain sockets in
+    Jupyter's runtime folder) is the transport the warning itself recommends; it exists on POSIX
+    only, so elsewhere the default stays.
+    """
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport": "ipc"}}) if os.name == "posix" else Config()
+
+
 def run_lecture(path: Path, out_dir: Path, scale: str, device: str, timeout: int,
                 extra_parameters: dict | None = None) -> RunResult:
     """Execute one notebook with papermill into ``out_dir``; never raises for a failing notebook."""
@@ -150,6 +176,7 @@ def run_lecture(path: Path, out_dir: Path, scale: str, device: str, timeout: int
         papermill.execute_notebook(
             str(path), str(output), parameters=params, kernel_name="python3",
             cwd=str(path.parent), execution_timeout=timeout, progress_bar=False,
+            config=_quiet_kernel_config(),
         )
         status, error = "ok", ""
     except Exception as err:  # papermill raises PapermillExecutionError; keep going with the rest
@@ -189,6 +216,155 @@ def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeou
     return results
 
 
+# ---------------------------------------------------------------- the README's lecture table
+
+TABLE_START, TABLE_END = "<!-- lectures:start -->", "<!-- lectures:end -->"
+
+
+def format_seconds(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``: durations as the lecture table shows them."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
+
+
+def load_runs(paths) -> dict[str, dict[str, dict]]:
+    """Read ``lectures.json`` files of ``run``: ``{scale: {lecture number: result}}``.
+
+    A later file overrides an earlier one for the same scale and lecture.
+    """
+    by_stem = {lec.stem: lec.number for lec in LECTURES}
+    runs: dict[str, dict[str, dict]] = {}
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        scale = report["scale"]
+        for result in report["results"]:
+            number = by_stem.get(result["lecture"])
+            if number is not None:  # a notebook that is no lecture (a test's) has no row
+                runs.setdefault(scale, {})[number] = {**result, "device": report.get("device", "")}
+    return runs
+
+
+def _time_cell(result: dict | None) -> str:
+    if result is None:
+        return ""
+    text = f"{format_seconds(result['seconds'])} ({result['device']})"
+    return text if result["status"] == "ok" else f"{text}, failed"
+
+
+def lecture_table(runs: dict[str, dict[str, dict]]) -> str:
+    """The markdown lecture table: lecture, what it builds in lmfs, status, smoke and full times.
+
+    Status is ``planned`` for a lecture not written yet; otherwise ``runs`` when every run of it in
+    ``runs`` passed, ``fails at <scale>`` when one failed, and ``not run`` without any run.
+    A time cell says the device it was measured on (``15 s (cpu)``).
+    """
+    lines = ["| lecture | builds | status | smoke | full |", "| --- | --- | --- | ---: | ---: |"]
+    for lec in LECTURES:
+        smoke, full = (runs.get(scale, {}).get(lec.number) for scale in ("smoke", "full"))
+        failed = [scale for scale, r in (("smoke", smoke), ("full", full)) if r and r["status"] != "ok"]
+        if lec.status == "planned":
+            status = "planned"
+        elif smoke is None and full is None:
+            status = "not run"
+        else:
+            status = f"fails at {' and '.join(failed)}" if failed else "runs"
+        lines.append(f"| {lec.number} {lec.title} | {lec.builds} | {status} | "
+                     f"{_time_cell(smoke)} | {_time_cell(full)} |")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str) -> str:
+    """Put ``block`` between the lecture-table markers of ``text`` (the markers stay)."""
+    if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1 or text.index(TABLE_START) > text.index(TABLE_END):
+        raise ValueError(f"expected one {TABLE_START} line followed by one {TABLE_END} line; "
+                         "add them where the lecture table goes")
+    before, rest = text.split(TABLE_START)
+    _, after = rest.split(TABLE_END)
+    return f"{before}{TABLE_START}\n{block}\n{TABLE_END}{after}"
+
+
+# ---------------------------------------------------------------- the book
+
+@dataclass
+class BookEntry:
+    lecture: Lecture
+    page: str  # the HTML file name, "" when there is no executed notebook
+    scale: str
+    status: str
+    seconds: float | None
+
+
+def _papermill_facts(nb) -> tuple[str, str, float | None]:
+    """Scale, status and duration of an executed notebook, read from papermill's metadata."""
+    meta = nb.metadata.get("papermill", {})
+    scale = str(meta.get("parameters", {}).get("SCALE", "?"))
+    if "exception" not in meta:
+        return scale, "executed", meta.get("duration")
+    return scale, "failed" if meta["exception"] else "ok", meta.get("duration")
+
+
+_BOOK_CSS = """body { font-family: system-ui, sans-serif; max-width: 72rem; margin: 2rem auto; padding: 0 1rem; }
+table { border-collapse: collapse; } th, td { border: 1px solid #ccc; padding: .3rem .6rem; text-align: left; }
+td.num { text-align: right; } .failed { color: #b00; font-weight: bold; } .planned, .not-run { color: #777; }"""
+
+
+def build_book(from_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[BookEntry]:
+    """Render the executed lecture notebooks in ``from_dir`` to ``out_dir``: one HTML page per
+    lecture (outputs and plots embedded) and ``index.html`` with the lecture table.
+
+    Scale, status and duration come from the metadata papermill stores in each executed
+    notebook, so the book needs nothing but the notebooks. Lectures without one are listed as
+    ``planned`` or ``not run``.
+    """
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    src, out = Path(from_dir), Path(out_dir)
+    found = [lec for lec in LECTURES if (src / lec.filename).exists()]
+    if not found:
+        raise SystemExit(f"no executed lecture notebooks in {src}/: run `make lectures` (or the GPU "
+                         "suite) first, or point --from at their folder")
+    out.mkdir(parents=True, exist_ok=True)
+    exporter = HTMLExporter(template_name="lab")
+    back = '<p style="margin:1rem"><a href="index.html">&larr; all lectures</a></p>'
+    entries = []
+    for lec in LECTURES:
+        if lec not in found:
+            entries.append(BookEntry(lec, "", "", lec.status if lec.status == "planned" else "not run", None))
+            continue
+        nb = nbformat.read(src / lec.filename, as_version=4)
+        scale, status, seconds = _papermill_facts(nb)
+        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": f"{lec.number} {lec.title}"}})
+        # A link back to the index, right after the opening <body ...> tag.
+        body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + back, body, count=1)
+        page = f"{lec.stem}.html"
+        (out / page).write_text(body, encoding="utf-8")
+        entries.append(BookEntry(lec, page, scale, status, seconds))
+
+    rows = []
+    for e in entries:
+        name = f"{e.lecture.number} {html.escape(e.lecture.title)}"
+        link = f'<a href="{e.page}">{name}</a>' if e.page else name
+        duration = format_seconds(e.seconds) if e.seconds is not None else ""
+        rows.append(f'<tr><td>{link}</td><td>{html.escape(e.lecture.builds)}</td><td>{html.escape(e.scale)}</td>'
+                    f'<td class="{e.status.replace(" ", "-")}">{e.status}</td><td class="num">{duration}</td></tr>')
+    index = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>lmfs: the executed lectures</title>
+<style>{_BOOK_CSS}</style></head>
+<body>
+<h1>lmfs: the executed lectures</h1>
+<p>Each page is a lecture notebook as it ran, outputs and plots included; the scale says whether it
+ran at <code>smoke</code> (a minute on a CPU) or <code>full</code> scale (the real results, on a GPU).</p>
+<table>
+<tr><th>lecture</th><th>builds</th><th>scale</th><th>status</th><th>duration</th></tr>
+{chr(10).join(rows)}
+</table>
+</body></html>
+"""
+    (out / "index.html").write_text(index, encoding="utf-8")
+    return entries
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmfs.lectures", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,12 +375,37 @@ def main(argv=None) -> int:
     run.add_argument("--only", nargs="*", help="lecture numbers or names (default: all present)")
     run.add_argument("--out", default="build")
     run.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    table = sub.add_parser("table", help="the markdown lecture table from run reports")
+    table.add_argument("--from", dest="reports", nargs="+", required=True, metavar="LECTURES_JSON",
+                       help="lectures.json files written by `run` (e.g. a smoke and a full run)")
+    table.add_argument("--update", metavar="FILE",
+                       help=f"replace the lines between {TABLE_START} and {TABLE_END} in FILE")
+    book = sub.add_parser("book", help="executed notebooks -> HTML pages and index.html")
+    book.add_argument("--from", dest="src", default="build", help="folder of executed notebooks")
+    book.add_argument("--out", default="build/book")
     sub.add_parser("clean", help="strip outputs from lectures/*.ipynb")
     sub.add_parser("check", help="list hygiene problems")
     args = parser.parse_args(argv)
     if args.cmd == "run":
         results = run_lectures(args.only, args.scale, args.device, args.out, args.timeout)
         return 0 if all(r.status == "ok" for r in results) else 1
+    if args.cmd == "table":
+        block = lecture_table(load_runs(args.reports))
+        if args.update:
+            target = Path(args.update)
+            target.write_text(replace_block(target.read_text(encoding="utf-8"), block), encoding="utf-8")
+            print(f"lecture table written into {target}")
+        else:
+            print(block)
+        return 0
+    if args.cmd == "book":
+        # The book shows failed lectures too (their error output is the point); it is the run
+        # that fails on them, not the rendering.
+        pages = [e for e in build_book(args.src, args.out) if e.page]
+        for e in pages:
+            print(f"  {e.page}: {e.status} at scale {e.scale}")
+        print(f"{len(pages)} lecture pages and index.html in {args.out}/")
+        return 0
     notebooks = sorted(LECTURE_DIR.glob("*.ipynb"))
     if args.cmd == "clean":
         for path in notebooks:

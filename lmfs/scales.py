@@ -24,6 +24,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             bench_bytes=2_000_000,     # throughput comparison with Hugging Face and tiktoken
             bench_vocab=2_000,
             stream_lines=20_000,       # lines fed through encode_iterable in the memory demo
+            chunk_bytes=64_000,        # parallel pre-tokenization: bytes per chunk (about 5 chunks)
         ),
         "full": dict(
             corpus_bytes=5_000_000,    # pydoc (the default CORPUS) holds about 0.47 MB in all
@@ -34,6 +35,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             bench_bytes=10_000_000,    # `make bench-tokenizer` runs the 30 MB benchmark
             bench_vocab=10_000,
             stream_lines=100_000,
+            chunk_bytes=1_000_000,
         ),
     },
     "02": {
@@ -147,29 +149,39 @@ CONFIGS: dict[str, dict[str, dict]] = {
             torch_fa_block=32,             # block size of the tiled PyTorch FlashAttention
             profile_shape=(64, 256),       # tensor the profiler tables run on
             attn_profile=dict(B=1, H=2, T=64, D=32),
+            bench_shape=(64, 256),         # the bandwidth timings (toy size: the interpreter's times mean nothing)
+            bench_repeats=(1, 3),          # (warm-up calls, timed calls) of each bandwidth timing
             compile=False,                 # torch.compile costs ~20 s on a CPU: GPU only
             attn_seq_lens=(32, 64), attn_head_dims=(32,), attn_tokens=64, attn_heads=2,
-            attn_backwards=("split", "atomic"),  # backward schemes the benchmark times (both, to exercise them)
+            attn_repeats=(1, 2),           # (warm-up calls, timed calls) of each attention timing
             attn_autotune_candidates=None,  # the interpreter does not autotune
+            # the model fuse_model is checked on (fused projections in PyTorch on a CPU)
+            fuse_model=dict(vocab_size=128, context_length=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
+            fuse_batch=(2, 32),
         ),
         "full": dict(
             check_shape=(1000, 3000),
             attn_check=dict(B=2, H=4),
-            # bf16 checks at the benchmark's head dim: each (head dim, dtype, causal) compiles every
-            # autotuning candidate (about a second each), so the checks and the benchmark share them
+            # bf16 checks at the timings' head dim: each (head dim, dtype, causal) compiles every
+            # autotuning candidate it is asked to try (about a second each), so checks and timings share them
             attn_check_head_dims={"float32": 32, "bfloat16": 128},
-            attn_check_lens=(1000,),       # the benchmark below also checks T = 1024, 4096, 8192
+            attn_check_lens=(1000,),       # the timings below also check T = 1024, 4096, 8192
             torch_fa_block=64,
             profile_shape=(8192, 4096),
-            attn_profile=dict(B=4, H=16, T=4096, D=128),  # the benchmark's T = 4096 shape: tuned already
+            attn_profile=dict(B=4, H=16, T=4096, D=128),  # the timings' T = 4096 shape: tuned already
+            # 131072 × 4096 bf16 = 1 GiB: a forward + backward keeps the GPU busy for over a
+            # millisecond, so the time Python and autograd take to issue it hides behind the kernels
+            bench_shape=(131072, 4096),
+            bench_repeats=(5, 30),
             compile=True,
             # a few lengths: each new one re-times the candidates (~1 s), the kernels are compiled once
             attn_seq_lens=(1024, 4096, 8192), attn_head_dims=(128,), attn_tokens=16384, attn_heads=16,
-            attn_backwards=("split",),     # the default backward only; `python -m lmfs.benchmarks attention` times both
-            # the first 2 autotuning candidates per kernel (of up to 7; the H200's winners come
-            # first): 12 compiled attention kernels instead of 30 for D = 128, causal and not. The
-            # notebook took 136 s on a fresh H200 with 3 (45 s of it building the CUDA GeLU once).
+            attn_repeats=(3, 10),
+            # the first 2 autotuning candidates per kernel (of up to 7; the likeliest winners come
+            # first): 12 compiled attention kernels instead of 30 for D = 128, causal and not
             attn_autotune_candidates=2,
+            fuse_model=dict(vocab_size=32000, context_length=1024, d_model=768, n_layers=4, n_heads=12),
+            fuse_batch=(4, 1024),
         ),
     },
     "07": {
@@ -184,7 +196,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
         "full": dict(
             collective_ranks=4,            # 4 ranks > 2 GPUs: these run on gloo even here
             bench_ranks=2,
-            bench_sizes=None,              # lmfs.benchmarks.collective_bandwidth's default: 1 MB .. 1 GB on GPUs
+            bench_sizes=None,              # bandwidth_worker's default: 1 MB .. 1 GB on GPUs, 64 KB .. 16 MB on CPUs
             bench_warmup=5, bench_iters=20,
             torchrun_max_mb=64,
             copy_bytes=2**30,

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU suite: run on a GPU machine (e.g. the lent H200) from the repository root, with the
+# The GPU suite: run on a GPU machine (e.g. one H200) from the repository root, with the
 # wheelhouse made by `make wheelhouse` beside it. It
 #   1. installs .wheelhouse/*.whl into a temporary folder (no network needed),
 #   2. runs the GPU-marked unit tests (and the rest of the unit tests, on the GPU's Python),
 #   3. runs every lecture notebook at full scale with papermill,
-#   4. runs the GPU benchmarks listed in GPU_BENCHES (e.g. "train-step kernels attention probes";
+#   4. renders the executed notebooks to the book: HTML pages with an index (lmfs.lectures book),
+#   5. runs the GPU benchmarks listed in GPU_BENCHES (e.g. "train-step kernels attention probes";
 #      on 2 GPUs also "collectives data-parallel"),
-#   5. writes a report to $OUT (default build/gpu): report.md, lectures.json, pytest.log,
-#      bench-*.json and notebooks.tar.gz (the executed notebooks, with their outputs).
+#   6. writes a report to $OUT (default build/gpu): report.md, lectures.json, pytest.log,
+#      bench-*.json, notebooks.tar.gz (the executed notebooks, with their outputs) and book/
+#      (open book/index.html).
 # A failing step is recorded and the suite goes on; the exit code is non-zero if any step failed.
 # TESTS (default "tests") and LECTURES (default: all; e.g. "02 05") narrow steps 2 and 3;
 # "none" skips one.
@@ -59,6 +61,8 @@ if [ "$LECTURES" != none ]; then
   cp build/gpu-lectures/lectures.json "$OUT/" 2>/dev/null
   { echo; echo "## Lectures (papermill, full scale)"; echo; cat build/gpu-lectures/lectures.md 2>/dev/null; } >> "$report"
   tar -czf "$OUT/notebooks.tar.gz" -C build gpu-lectures 2>/dev/null
+  echo "== book =="
+  python3 -m lmfs.lectures book --from build/gpu-lectures --out "$OUT/book" || failed+=("book")
 fi
 
 for bench in $GPU_BENCHES; do

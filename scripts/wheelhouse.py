@@ -2,7 +2,8 @@
 
 The GPU machine (see README, "GPU suite") has torch, triton, numpy, pandas, matplotlib, pytest,
 tiktoken, tokenizers, transformers ... but no Jupyter stack and no network. This fetches the
-notebook runners (papermill, nbval, ipykernel, ipywidgets, nbclient, nbformat) with their
+notebook runners (papermill, nbval, ipykernel, ipywidgets, nbclient, nbformat) and the book's
+renderer (nbconvert) with their
 dependencies for CPython 3.12 / manylinux x86_64, then deletes the wheels of packages the GPU image
 already ships, so the carried ones never shadow its compiled builds.
 
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-WANTED = ["papermill", "nbval", "ipykernel", "ipywidgets", "nbclient", "nbformat"]
+WANTED = ["papermill", "nbval", "ipykernel", "ipywidgets", "nbclient", "nbformat", "nbconvert"]
 
 # Packages the GPU image ('cuda') already holds (device tool's KINDS.md, read 2026-11-17).
 ON_GPU_IMAGE = set("""

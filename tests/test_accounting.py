@@ -1,14 +1,14 @@
 import contextlib
-import json
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lmfs.accounting import (GPU_MEMORY_BYTES, PEAK_FLOPS, activation_bytes_per_layer, flops_per_token,
-                             largest_trainable_model, matmul_params, mfu, param_count, time_to_train,
-                             training_flops, training_memory)
+from lmfs.accounting import (activation_memory_per_layer, flops_per_token, largest_trainable_model, matmul_params,
+                             mfu, param_count, time_to_train, training_flops)
 from lmfs.bench import memory
+from lmfs.bench.memory import activation_bytes_per_layer, memory_at_peak, step_peak, training_memory
+from lmfs.hardware import gpu
 from lmfs.nn import Linear, TransformerConfig, TransformerLM
 from lmfs.optim import AdamW
 from lmfs.train import TrainConfig, accumulate_gradients, make_optimizer
@@ -74,6 +74,12 @@ def saved_tensor_bytes(model, x, y, autocast: bool) -> int:
         return memory.saved_tensor_bytes(lambda: model(x, y), model)
 
 
+def saved_by_forward(parts: dict) -> int:
+    """What training_memory says the forward pass saves: the bf16 weight copies, the activations and
+    the log-softmax, one of the three (B·T, vocab) fp32 buffers that `logits` counts."""
+    return parts["weight_copies"] + parts["activations"] + parts["logits"] // 3
+
+
 @pytest.mark.parametrize("overrides", [dict(), dict(norm="layer", ffn="gelu", positions="learned"),
                                        dict(n_kv_heads=2, ffn="relu", tie_embeddings=False),
                                        dict(attn_impl="reference", ffn="geglu", positions="none")], ids=str)
@@ -83,11 +89,24 @@ def test_activation_formula_counts_every_saved_tensor(overrides, autocast):
     model = TransformerLM(config)
     x, y = batch(config)
     parts = training_memory(config, *x.shape, compute_bytes=2 if autocast else 4)
-    # Saved in the forward pass: the bf16 weight copies, the activations and the log-softmax, which
-    # is one of the three (B·T, vocab) fp32 buffers that `logits` counts at the backward's start.
-    predicted = parts["weight_copies"] + parts["activations"] + parts["logits"] // 3
     # The 4 bytes left over are nll_loss's scalar total weight.
-    assert 0 <= saved_tensor_bytes(model, x, y, autocast) - predicted <= 4
+    assert 0 <= saved_tensor_bytes(model, x, y, autocast) - saved_by_forward(parts) <= 4
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(n_kv_heads=2), dict(positions="learned", ffn="gelu")], ids=str)
+def test_activation_formula_counts_the_fused_model(overrides):
+    """The model through fuse_model: one cast per fused matmul, q/k/v views that keep their base alive."""
+    from lmfs.kernels.fused import fuse_model
+
+    config = tiny(**overrides)
+    model = fuse_model(TransformerLM(config), projections=True, triton=False, chunked_loss=False)
+    x, y = batch(config)
+    fused = training_memory(config, *x.shape, compute_bytes=2, fused_projections=True)
+    assert 0 <= saved_tensor_bytes(model, x, y, autocast=True) - saved_by_forward(fused) <= 4
+    plain = training_memory(config, *x.shape, compute_bytes=2)
+    assert fused["activations"] < plain["activations"]  # fewer casts of each block's input
+    # In fp32 nothing is fused: the flag changes nothing.
+    assert training_memory(config, 3, 40, fused_projections=True) == training_memory(config, 3, 40)
 
 
 def tensor_bytes(tensors) -> int:
@@ -114,63 +133,81 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(tie):
 
 def test_memory_breakdown_adds_up_and_checkpointing_saves():
     config = gpt2_small()
-    plain = training_memory(config, 8, 1024)
-    ckpt = training_memory(config, 8, 1024, activation_checkpointing=True)
+    plain = training_memory(config, 8, 1024, compute_bytes=2)
+    ckpt = training_memory(config, 8, 1024, compute_bytes=2, activation_checkpointing=True)
     assert plain["total"] == (plain["parameters"] + plain["optimizer_state"] + plain["weight_copies"]
                               + plain["activations"] + plain["logits"])
     assert ckpt["activations"] < plain["activations"] / 5 and ckpt["recompute"] > 0
     assert ckpt["total"] < plain["total"]
     # Per layer and token: 34·d + 8·f + 4·H + 8 bytes for a SwiGLU block under bf16 autocast
-    # (each projection casts its own copy of the input), 32·d + ... with fused projections (the
-    # default), 28·d + 6·f + ... when those go through lmfs.kernels.fused (no RoPE table casts).
+    # (each projection casts its own copy of the input), 32·d + ... with fused projections,
+    # 28·d + 6·f + ... when those go through lmfs.kernels.fused (no RoPE table casts); 40·d + 16·f
+    # + ... in fp32, where the three projections share one input.
     rope = 4 * 1024 * 64 * 2
-    assert activation_bytes_per_layer(gpt2_small(fused_projections=False), 8, 1024) == 8 * 1024 * (
-        34 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
-    assert activation_bytes_per_layer(config, 8, 1024) == 8 * 1024 * (32 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
-    assert activation_bytes_per_layer(config, 8, 1024, triton_kernels=True) == 8 * 1024 * (
+    tokens = 8 * 1024
+    assert activation_bytes_per_layer(config, 8, 1024, 2) == tokens * (34 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
+    assert activation_bytes_per_layer(config, 8, 1024, 2, fused_projections=True) == tokens * (
+        32 * 768 + 8 * 2048 + 4 * 12 + 8) + rope
+    assert activation_bytes_per_layer(config, 8, 1024, 2, fused_projections=True, triton_kernels=True) == tokens * (
         28 * 768 + 6 * 2048 + 4 * 12 + 8)
-    assert activation_bytes_per_layer(gpt2_small(triton_kernels=False), 8, 1024, triton_kernels=True) == (
-        activation_bytes_per_layer(config, 8, 1024))  # the config's switch turns them off
+    assert activation_bytes_per_layer(config, 8, 1024, 2, triton_kernels=True) == (
+        activation_bytes_per_layer(config, 8, 1024, 2))  # the kernels work on fused projections only
+    assert activation_bytes_per_layer(config, 8, 1024) == tokens * (40 * 768 + 16 * 2048 + 4 * 12 + 8)
+    # The loss: 12·vocab bytes per token from the logits; chunked, the kept bf16 gradient (2·vocab)
+    # plus one chunk's temporaries, 2^28 / (4·32000) = 2097 rows of 17 (PyTorch) or 2 (Triton) bytes.
+    assert plain["logits"] == 12 * 32000 * tokens
+    chunked = training_memory(config, 8, 1024, compute_bytes=2, chunked_loss=True)
+    assert chunked["logits"] == 2 * 32000 * tokens + 17 * 2097 * 32000
+    fast = training_memory(config, 8, 1024, compute_bytes=2, fused_projections=True, triton_kernels=True,
+                           chunked_loss=True)
+    assert fast["logits"] == 2 * 32000 * tokens + 2 * 2097 * 32000 and fast["total"] < chunked["total"]
     with pytest.raises(ValueError, match="norm_position='post'"):
         training_memory(tiny(norm_position="post"), 1, 8)
     with pytest.raises(ValueError, match="unknown optimizer"):
         training_memory(tiny(), 1, 8, optimizer="lion")
+    with pytest.raises(ValueError, match="compute_bytes"):
+        activation_bytes_per_layer(config, 1, 8, 1)
 
 
-def test_mfu_and_peak_table():
-    assert PEAK_FLOPS["H100"]["bf16"] == 989.5e12 and PEAK_FLOPS["A100"]["fp8"] is None
-    for chip, rates in PEAK_FLOPS.items():
-        assert rates["fp32"] < rates["tf32"] < rates["bf16"] == rates["fp16"], chip
-        assert chip in GPU_MEMORY_BYTES
+def test_closed_form_activation_memory_by_hand():
+    """Korthikanti et al. (2022): s·b·h·(34 + 5·a·s/h) bytes per layer, summed tensor by tensor."""
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B, one sequence
+    layernorms = 2 * 2 * s * b * h
+    attention = (2 + 4 + 2 + 2 + 1) * s * b * h + (2 + 1 + 2) * a * s * s * b
+    mlp = (2 + 8 + 8 + 1) * s * b * h
+    assert activation_memory_per_layer(b, s, h, a) == layernorms + attention + mlp == s * b * h * (34 + 80)
+    assert activation_memory_per_layer(b, s, h, a, recompute="selective") == 34 * s * b * h
+    assert activation_memory_per_layer(b, s, h, a, flash_attention=True) == 34 * s * b * h
+    assert activation_memory_per_layer(b, s, h, a, recompute="full") == 2 * s * b * h
+    # GPT-2 small at T = 1024, batch 8: 34 + 5·12·1024/768 = 114 again (a/h is the same).
+    assert activation_memory_per_layer(8, 1024, 768, 12) == 8 * 1024 * 768 * 114
+    with pytest.raises(ValueError, match="recompute"):
+        activation_memory_per_layer(1, 8, 8, 1, recompute="some")
+
+
+def test_mfu():
     config = gpt2_small()
     # 100k tokens/s of GPT-2-small needs 3 · 256.77 MFLOP per token: 77.0 TFLOP/s, 7.8 % of an H100.
     assert mfu(100_000, config, 1024, 989.5e12) == pytest.approx(3 * 256_770_048 * 1e5 / 989.5e12)
-    assert mfu(100_000, config, 1024, 989.5e12) == pytest.approx(0.07785, abs=1e-5)
+    assert mfu(100_000, config, 1024, gpu("H100").peak("bf16")) == pytest.approx(0.07785, abs=1e-5)
 
 
 def test_napkin_math_by_hand():
     # 6 · 70e9 · 15e12 = 6.3e24 FLOPs; 1024 · 989.5e12 · 0.5 = 5.066e17 FLOP/s -> 143.9 days.
-    days = time_to_train(70e9, 15e12, 1024, PEAK_FLOPS["H100"]["bf16"], 0.5) / 86400
+    days = time_to_train(70e9, 15e12, 1024, gpu("H100").peak("bf16"), 0.5) / 86400
     assert days == pytest.approx(6.3e24 / 5.06624e17 / 86400) and round(days, 1) == 143.9
-    assert largest_trainable_model(8, 80e9) == 40_000_000_000
-    assert largest_trainable_model(1, 141e9, bytes_per_param=2) == 70_500_000_000
+    assert largest_trainable_model(8, gpu("H100").memory_bytes) == 40_000_000_000
+    assert largest_trainable_model(1, gpu("H200").memory_bytes, bytes_per_param=2) == 70_500_000_000
     with pytest.raises(ValueError, match="fraction"):
         time_to_train(1e9, 1e9, 1, 1e15, 50)
 
 
-def test_bench_runs_on_cpu(tmp_path, capsys):
-    from lmfs.benchmarks.train_step import main
-
-    result = main(["--steps", "2", "--device", "cpu", "--json", str(tmp_path / "bench.json")])
-    out = capsys.readouterr().out
-    assert "real numbers need a CUDA GPU" in out and "tokens/s" in out
-    assert json.loads((tmp_path / "bench.json").read_text())["lmfs"]["tokens_per_s"] > 0
-    assert "speedup_vs_hf" in result
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_memory_prediction_on_gpu(checkpointing):
+@pytest.mark.parametrize("variant", ["plain", "checkpointed", "fused"])
+def test_memory_prediction_on_gpu(variant):
+    """training_memory against the CUDA allocator's peak: the plain model (with and without
+    checkpointing) and the model through fuse_model with every opt-in (Triton kernels, chunked loss)."""
+    from lmfs.kernels.fused import fuse_model
     from lmfs.train import activation_checkpointing
 
     config = gpt2_small()
@@ -178,6 +215,9 @@ def test_memory_prediction_on_gpu(checkpointing):
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = TransformerLM(config).to(device)
+    fused = variant == "fused"
+    if fused:
+        model = fuse_model(model, projections=True, triton=True, chunked_loss=True)
     optimizer = AdamW(model.parameters(), lr=1e-4)
     x, y = (t.to(device) for t in batch(config, B, T))
 
@@ -186,17 +226,17 @@ def test_memory_prediction_on_gpu(checkpointing):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    recompute = activation_checkpointing(model) if checkpointing else contextlib.nullcontext()
-    with recompute:
-        step()  # creates the optimizer state, which every later step carries
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated()
-    predicted = training_memory(config, B, T, activation_checkpointing=checkpointing, triton_kernels=True)["total"]
+    checkpointing = variant == "checkpointed"
+    with activation_checkpointing(model) if checkpointing else contextlib.nullcontext():
+        measured = memory.peak_memory(step, device)
+    predicted = training_memory(config, B, T, compute_bytes=2, activation_checkpointing=checkpointing,
+                                fused_projections=fused, triton_kernels=fused, chunked_loss=fused)["total"]
     ratio = measured / predicted
     assert abs(ratio - 1) < 0.10, f"measured {measured / 2**30:.2f} GiB = {ratio:.3f} x predicted"
+
+
+def test_peak_memory_needs_cuda():
+    assert memory.peak_memory(lambda: None, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("vocab", [256, 1024])
@@ -205,8 +245,6 @@ def test_predicted_peak_equals_tracked_tensor_peak(checkpointing, grad_accum, vo
     """training_memory's total against the tensor bytes really alive at the peak of a step (CPU)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from lmfs.accounting import memory_at_peak
-    from lmfs.bench.memory import step_peak
     from lmfs.train import activation_checkpointing
 
     torch.manual_seed(0)
@@ -236,3 +274,52 @@ def test_predicted_peak_equals_tracked_tensor_peak(checkpointing, grad_accum, vo
                             activation_checkpointing=checkpointing, grad_accum=grad_accum)
     assert abs(ours / parts["total"] - 1) < 0.03
     assert sum(memory_at_peak(parts, grad_accum).values()) == parts["total"]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_chunked_loss_peak_equals_tracked_tensor_peak(autocast):
+    """The chunked loss (fuse_model(chunked_loss=True)) against the tensors alive at its step's peak:
+    the kept logit gradient plus one chunk's float32 temporaries (CPU: the PyTorch path)."""
+    from lmfs.kernels.fused import fuse_model
+
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=2048, context_length=64, d_model=64, n_layers=2, n_heads=4,
+                               tie_embeddings=False)
+    model = fuse_model(TransformerLM(config), projections=False, triton=False, chunked_loss=True)
+    optimizer = AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randint(2048, (8, 64)), torch.randint(2048, (8, 64))
+
+    def step():
+        accumulate_gradients(model, [(x, y)], torch.bfloat16 if autocast else None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # 512 tokens fit in one chunk here, so the temporaries are as large as the logits themselves.
+    parts = training_memory(config, 8, 64, compute_bytes=2 if autocast else 4, chunked_loss=True)
+    assert parts["logits"] == (2 if autocast else 4) * 2048 * 512 + 17 * 512 * 2048
+    assert abs(step_peak(step, model, optimizer, x, y) / parts["total"] - 1) < 0.03
+
+
+# ----------------------------------------------------------------------------------------------
+# The checkers of lecture 02's exercises
+
+
+def test_lecture02_checkers_accept_right_and_reject_wrong_answers(capsys):
+    from lmfs.exercises.lecture02 import check_activation_memory, check_flops_per_token
+
+    def flops(c, T):
+        kv = c.kv_heads * c.head_dim
+        per_layer = 2 * c.d_model * c.d_model + 2 * c.d_model * kv + (3 if c.ffn == "swiglu" else 2) * c.d_model * c.ffn_dim
+        return 2 * (c.n_layers * per_layer + c.vocab_size * c.d_model) + 4 * c.n_layers * T * c.d_model
+
+    assert check_flops_per_token(flops) == 3
+    with pytest.raises(AssertionError, match="flops_per_token: wrong result"):  # the head forgotten
+        check_flops_per_token(lambda c, T: flops(c, T) - 2 * c.vocab_size * c.d_model)
+
+    def korthikanti(b, s, h, a, recompute):
+        return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}[recompute]
+
+    assert check_activation_memory(korthikanti) == 9
+    with pytest.raises(AssertionError, match="activation_memory: wrong result"):  # s/h instead of a·s/h
+        check_activation_memory(lambda b, s, h, a, r: korthikanti(b, s, h, 1, r))
+    assert "correct on 9 cases" in capsys.readouterr().out

@@ -10,8 +10,8 @@ import torch
 from lmfs.benchmarks.__main__ import BENCHMARKS
 from lmfs.benchmarks.__main__ import main as bench_main
 from lmfs.bench.probes import copy_bandwidth, matmul_rate, strided_copy_bandwidth
-from lmfs.bench.roofline import (HBM_BANDWIDTH, SM_COUNT, arithmetic_intensity, attainable_flops, datasheet,
-                                 matmul_intensity, plot_roofline, predicted_matmul_rate, ridge_point, tile_waves)
+from lmfs.bench.roofline import (arithmetic_intensity, attainable_flops, matmul_intensity, plot_roofline,
+                                 predicted_matmul_rate, ridge_point, tile_waves)
 from lmfs.bench.timing import Timing, benchmark, profile_table
 
 matplotlib.use("Agg")
@@ -91,6 +91,17 @@ def test_probes_on_cpu_return_positive_rates():
         matmul_rate(64, "fp64", device="cpu")
 
 
+def test_probes_run_records_date_and_device(capsys):
+    import datetime
+
+    from lmfs.bench.probes import run
+
+    result = run("cpu")
+    assert result["date"] == datetime.date.today().isoformat() and result["device"] == "cpu"
+    assert result["datasheet_bandwidth"] is None and result["matmul"]["fp32"]["datasheet"] is None
+    assert result["copy_bandwidth"] > 0 and "real numbers need a CUDA GPU" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------------------------
 # Roofline and tile/wave quantisation
 
@@ -132,17 +143,33 @@ def test_roofline_numbers():
     assert float(attainable_flops(1000.0, 1000e12, 4e12)) == 1000e12  # compute-bound
     assert list(attainable_flops([1.0, 1e4], 100.0, 1.0)) == [1.0, 100.0]
     assert matmul_intensity(3000, 3000, 3000, bytes_per_element=2) == pytest.approx(1000.0)
-    assert datasheet(HBM_BANDWIDTH, "NVIDIA H200") == 4.8e12 and datasheet(SM_COUNT, "NVIDIA A100-SXM4-80GB") == 108
-    assert datasheet(SM_COUNT, "cpu") is None
 
 
 def test_plot_roofline_draws_the_roof_and_points():
     import matplotlib.pyplot as plt
 
-    ax = plot_roofline(990e12, 3.35e12, points=[("gelu", 0.5, 1.5e12), ("matmul", 2000.0, 700e12)])
+    ax = plot_roofline(1000e12, 4e12, points=[("gelu", 0.5, 1.5e12), ("matmul", 2000.0, 700e12)])
     assert len(ax.lines) == 4  # roof, ridge line, two points
     assert "FLOPs / byte" in ax.get_xlabel()
     plt.close(ax.figure)
+
+
+def test_lecture05_checkers_accept_right_and_reject_wrong_answers():
+    from lmfs.exercises.lecture05 import check_roofline_time, check_waves
+
+    assert check_roofline_time(lambda f, b, peak, bw: max(f / peak, b / bw)) == 4
+    with pytest.raises(AssertionError, match="roofline_time: wrong result"):  # adds instead of overlapping
+        check_roofline_time(lambda f, b, peak, bw: f / peak + b / bw)
+
+    def waves(M, N, tile, n_sm):
+        tiles = math.ceil(M / tile[0]) * math.ceil(N / tile[1])
+        w = math.ceil(tiles / n_sm)
+        return w, M * N / (tiles * tile[0] * tile[1]) * tiles / (w * n_sm)
+
+    assert check_waves(waves) == 6
+    with pytest.raises(AssertionError, match="waves: wrong result"):  # wave quantisation forgotten
+        check_waves(lambda M, N, tile, n_sm: (waves(M, N, tile, n_sm)[0], M * N / (
+            math.ceil(M / tile[0]) * tile[0] * math.ceil(N / tile[1]) * tile[1])))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +198,7 @@ def test_kernel_benchmarks_smoke_on_cpu(capsys):
     row = attention["rows"][0]
     assert row["max_abs_diff"] < 1e-5 and row["lmfs_fwd"] > 0 and row["naive_fwdbwd"] > 0
     assert "real numbers need a CUDA GPU" in capsys.readouterr().out
+    assert kernels["date"] == attention["date"] and kernels["triton"]  # what results/ files are quoted with
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,16 +221,15 @@ def test_cuda_event_timing_and_kernel_table():
 
 @pytest.mark.gpu
 def test_measured_rates_are_below_the_datasheet():
-    from lmfs.accounting import PEAK_FLOPS
+    from lmfs.hardware import for_device
 
-    name = torch.cuda.get_device_name()
-    bandwidth, peaks = datasheet(HBM_BANDWIDTH, name), datasheet(PEAK_FLOPS, name)
-    if bandwidth is None or peaks is None:
-        pytest.skip(f"no datasheet figures for {name}")
+    chip = for_device()
+    if chip is None:
+        pytest.fail(f"no lmfs.hardware entry for {torch.cuda.get_device_name()}: add one to lmfs.hardware.GPUS")
     copy = copy_bandwidth()
-    assert 0.3 * bandwidth < copy < bandwidth
+    assert 0.3 * chip.hbm_bandwidth < copy < chip.hbm_bandwidth
     rate = matmul_rate(4096, "bf16")
-    assert 0.2 * peaks["bf16"] < rate < peaks["bf16"]
+    assert 0.2 * chip.peak("bf16") < rate < chip.peak("bf16")
     assert strided_copy_bandwidth(16) < 0.5 * strided_copy_bandwidth(1)  # uncoalesced reads waste sectors
     assert math.isfinite(rate)
 
@@ -212,23 +239,24 @@ def test_measured_rates_are_below_the_datasheet():
 
 
 def test_train_variants_parse():
-    from lmfs.benchmarks.train_step import ABLATION, Variant, parse_variant, parse_variants
+    from lmfs.benchmarks.train_step import ABLATION, DEFAULT_VARIANTS, Variant, parse_variant, parse_variants
 
-    assert parse_variant("lmfs") == Variant("lmfs")
-    assert parse_variant("baseline") == Variant("baseline", fused_projections=True, fused_loss=False)
-    assert parse_variant("baseline-proj") == Variant("baseline-proj", fused_projections=False, fused_loss=False)
-    assert parse_variant("lmfs-proj-kern") == Variant("lmfs-proj-kern", fused_projections=False,
-                                                      triton_kernels=False)
-    assert parse_variant("lmfs-loss+cudnn") == Variant("lmfs-loss+cudnn", fused_loss=False, sdpa_backend="cudnn")
+    assert parse_variant("fused") == Variant("fused")  # fuse_model's three switches on
+    assert parse_variant("plain") == Variant("plain", projections=False, triton=False, chunked_loss=False)
+    assert parse_variant("fused-loss") == Variant("fused-loss", chunked_loss=False)
+    assert parse_variant("fused-proj-kern") == Variant("fused-proj-kern", projections=False, triton=False)
+    assert parse_variant("plain+loss+cudnn") == Variant("plain+loss+cudnn", projections=False, triton=False,
+                                                        sdpa_backend="cudnn")
     hf = parse_variant("hf-eager")
     assert hf.model == "hf" and not hf.compiled and hf.sdpa_backend == "auto"
     assert parse_variant("hf+flash").sdpa_backend == "flash"
     assert [v.name for v in parse_variants("ablation")] == ABLATION.split(",")
-    for bad in ["gpt", "hf+proj", "lmfs+fast", "lmfs proj"]:
+    assert [v.name for v in parse_variants(DEFAULT_VARIANTS)] == ["fused", "plain", "hf", "hf+flex"]
+    for bad in ["gpt", "lmfs", "baseline", "hf+proj", "fused+fast", "fused proj", "fused-cudnn"]:
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)
     with pytest.raises(ValueError, match="repeat"):
-        parse_variants("lmfs,hf,lmfs")
+        parse_variants("fused,hf,fused")
 
 
 def test_train_benchmark_variants_on_cpu(tmp_path, capsys):
@@ -237,21 +265,24 @@ def test_train_benchmark_variants_on_cpu(tmp_path, capsys):
     from lmfs.benchmarks.train_step import main
 
     path = tmp_path / "train.json"
-    result = main(["--steps", "2", "--device", "cpu", "--variants", "baseline,lmfs-proj,lmfs+flash,hf,hf-eager",
+    result = main(["--steps", "2", "--device", "cpu", "--variants", "plain,fused-proj,fused+flash,hf,hf-eager",
                    "--json", str(path)])
     out = capsys.readouterr().out
-    assert "real numbers need a CUDA GPU" in out and "x base" in out
+    assert "real numbers need a CUDA GPU" in out and "x plain" in out
     saved = json.loads(path.read_text())
-    assert saved["variants"] == ["baseline", "lmfs-proj", "lmfs+flash", "hf", "hf-eager"]
+    assert saved["variants"] == ["plain", "fused-proj", "fused+flash", "hf", "hf-eager"]
     for name in saved["variants"]:
         assert saved[name]["tokens_per_s"] > 0 and not saved[name]["compiled"]  # never compiled on a CPU
-    assert saved["hf"]["vs_hf"] == 1 and saved["baseline"]["vs_baseline"] == 1
-    assert "speedup_vs_hf" not in result  # no plain "lmfs" variant ran
+    assert saved["hf"]["vs_hf"] == 1 and saved["plain"]["vs_plain"] == 1
+    # Same weights, same batch: the first losses of the lmfs variants agree (fuse_model changes no function).
+    assert saved["fused-proj"]["first_loss"] == pytest.approx(saved["plain"]["first_loss"], rel=1e-5)
+    assert "fused_vs_best_hf" not in result and "plain_vs_best_hf" in result  # no "fused" variant ran
     result = main(["--steps", "1", "--device", "cpu", "--no-hf"])
-    assert result["variants"] == ["lmfs"] and "hf" not in result
-    result = main(["--steps", "1", "--device", "cpu"])  # the default: lmfs, hf, hf+flex
+    assert result["variants"] == ["fused", "plain"] and "hf" not in result
+    result = main(["--steps", "1", "--device", "cpu"])  # the default: fused, plain, hf, hf+flex
     assert "hf+flex skipped" in capsys.readouterr().out  # FlexAttention has no CPU backward
-    assert result["best_hf"] == "hf" and result["speedup_vs_best_hf"] == result["speedup_vs_hf"]
+    assert result["best_hf"] == "hf" and result["fused_vs_best_hf"] == result["fused"]["vs_hf"]
+    assert result["plain_vs_best_hf"] == result["plain"]["vs_hf"]
 
 
 def test_train_benchmark_variant_names():
@@ -259,6 +290,6 @@ def test_train_benchmark_variant_names():
 
     assert parse_variant("hf+flex").hf_attention == "flex_attention"
     assert parse_variant("hf").hf_attention == "sdpa"
-    assert parse_variant("baseline+proj-loss").fused_projections
+    assert parse_variant("plain+proj-loss").projections
     with pytest.raises(ValueError, match="does not apply"):
-        parse_variant("lmfs+flex")  # FlexAttention is a Hugging Face switch here
+        parse_variant("fused+flex")  # FlexAttention is a Hugging Face switch here

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmfs.kernels import (HEAD_DIMS, INTERPRET, cuda_toolchain_problem, flash_attention, flash_attention_forward,
-                          flash_attention_torch, gelu, gelu_cuda, gelu_torch, online_softmax, rms_norm, softmax)
+from lmfs.kernels import (HEAD_DIMS, INTERPRET, FlashAttentionTorch, FlashAttentionTriton, cuda_toolchain_problem,
+                          flash_attention, flash_attention_forward, flash_attention_torch, gelu, gelu_cuda, gelu_torch,
+                          online_softmax, rms_norm, softmax)
 from lmfs.kernels.flash_attention import BACKWARDS, DEFAULT_BACKWARD, autotune_choices
 from lmfs.kernels.rmsnorm import backward_choice
 from lmfs.nn.attention import attention_reference, causal_mask
@@ -295,17 +296,16 @@ def test_autotuned_launches_under_the_interpreter(monkeypatch):
     def autotuned(fn, kernel, table, reset_to_zero=None):
         return fa._autotuned(fn, kernel, table, reset_to_zero, do_bench=fake_bench)
 
-    for name, fn, kernel, table, reset in [("_fwd", fa._attn_fwd, "fwd", fa._FWD_CONFIGS, None),
+    for name, fn, kernel, table, reset in [("_fwd", fa.attn_fwd, "fwd", fa._FWD_CONFIGS, None),
                                            ("_dkdv", fa._attn_bwd_dkdv, "dkdv", fa._DKDV_CONFIGS, None),
                                            ("_dq", fa._attn_bwd_dq, "dq", fa._DQ_CONFIGS, None),
                                            ("_atomic", fa._attn_bwd_atomic, "atomic", fa._DKDV_CONFIGS, ["DQ"])]:
         monkeypatch.setattr(fa, name, autotuned(fn, kernel, table, reset))
     for name in ("_FWD_BLOCKS", "_DQ_BLOCKS", "_DKDV_BLOCKS", "_ATOMIC_BLOCKS"):
         monkeypatch.setattr(fa, name, {})
-    monkeypatch.setattr(fa, "AUTOTUNE_CANDIDATES", 2)
     for backward in BACKWARDS:
         q, k, v = (randn(1, 2, 70, 32, seed=s, dtype=torch.bfloat16) for s in range(3))
-        fn = lambda *t: fa.flash_attention(*t, causal=True, backward=backward)  # noqa: E731
+        fn = lambda *t: fa.flash_attention(*t, causal=True, backward=backward, autotune_candidates=2)  # noqa: E731
         out, grads, do = forward_backward(fn, q, k, v)
         ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, True), q.float(), k.float(), v.float(),
                                                  grad_out=do.float())
@@ -319,7 +319,7 @@ def test_autotuned_launches_under_the_interpreter(monkeypatch):
         [triton.Config({"ROWS": r, "PROGRAMS_PER_SM": p, "STAGES": s}, num_warps=w, num_stages=s)
          for r, w, p, s in rn._BWD_CANDIDATES],
         key=["BLOCK_SIZE", "ROWS_BUCKET"], prune_configs_by={"early_config_prune": rn._bwd_prune},
-        do_bench=fake_bench)(rn._rmsnorm_bwd_kernel))
+        do_bench=fake_bench)(rn.rmsnorm_bwd_kernel))
     monkeypatch.setattr(rn, "_BWD_FIXED", {})
     monkeypatch.setattr(rn, "INTERPRET", False)
     monkeypatch.setattr(rn, "sm_count", lambda device: 3)
@@ -361,6 +361,52 @@ def test_flash_attention_torch_partial_blocks_and_shape_errors():
                                atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="one shape"):
         flash_attention_torch(q, k[:, :, :3], v)
+
+
+@pytest.mark.parametrize("function", [FlashAttentionTriton, FlashAttentionTorch])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_autograd_functions_take_qkv_causal_and_save_natural_log_sum_exp(function, is_causal):
+    """The public Functions: ``apply(q, k, v, is_causal)`` equals SDPA forward and backward, and what
+    they save for the backward is O and the log-sum-exp in natural-log units (torch.logsumexp's)."""
+    q, k, v = (randn(1, 2, 70, 32, seed=s) for s in range(3))  # 70: a partial block for both
+    out, grads, do = forward_backward(lambda *t: function.apply(*t, is_causal), q, k, v)
+    ref_out, ref_grads, _ = forward_backward(lambda *t: sdpa(*t, is_causal), q, k, v, grad_out=do)
+    assert_all_close([out, *grads], [ref_out, *ref_grads])
+
+    out = function.apply(*(t.clone().requires_grad_() for t in (q, k, v)), is_causal)
+    saved_o, saved_lse = out.grad_fn.saved_tensors[-2:]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(32) + (causal_mask(70, device=DEVICE) if is_causal else 0.0)
+    torch.testing.assert_close(saved_o, out.detach())
+    torch.testing.assert_close(saved_lse, torch.logsumexp(scores, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_autotune_candidates_is_checked():
+    q = randn(1, 1, 16, 16)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="autotune_candidates must be a positive int"):
+            flash_attention(q, q, q, autotune_candidates=bad)
+    # The interpreter uses fixed blocks, so any count gives the same result.
+    torch.testing.assert_close(flash_attention(q, q, q, autotune_candidates=1), flash_attention(q, q, q))
+
+
+def test_lecture06_exercise_checkers_accept_right_and_reject_wrong_answers():
+    from lmfs.exercises.lecture06 import check_online_softmax, check_row_logsumexp
+
+    assert check_online_softmax(online_softmax) > 0
+    with pytest.raises(AssertionError, match="online softmax: wrong result"):
+        # forgets to rescale the running sum when the maximum grows
+        def no_rescale(x, block_size):
+            m = x.amax(dim=-1, keepdim=True)
+            return torch.exp(x - m) / torch.exp(x - m)[..., :block_size].sum(dim=-1, keepdim=True)
+        check_online_softmax(no_rescale)
+    with pytest.raises(AssertionError, match="online softmax: wrong result"):
+        check_online_softmax(lambda x, b: torch.exp(x) / torch.exp(x).sum(dim=-1, keepdim=True))  # overflows
+
+    assert check_row_logsumexp(lambda x: torch.logsumexp(x, dim=-1)) > 0
+    with pytest.raises(AssertionError, match="row log-sum-exp: wrong result"):
+        check_row_logsumexp(lambda x: torch.log(torch.exp(x).sum(dim=-1)))  # unstable: inf for large logits
+    with pytest.raises(AssertionError, match="row log-sum-exp: wrong result"):
+        check_row_logsumexp(lambda x: x.amax(dim=-1))  # the maximum alone
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,151 +523,3 @@ def test_gelu_cuda(dtype):
     x = randn(3, 1000, 7, dtype=dtype, device="cuda")
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(gelu_cuda(x), F.gelu(x, approximate="tanh"), **tol)
-
-
-# ----------------------------------------------------------------------------------------------
-# The model's fused kernels (lmfs.kernels.fused; float32, interpreter-sized)
-
-
-@pytest.mark.parametrize("n_q,n_kv,d,T", [(4, 2, 8, 5), (2, 2, 6, 70)])  # GQA; head_dim 6: half not a power of 2
-def test_rope_qkv_matches_split_then_apply_rope(n_q, n_kv, d, T):
-    from lmfs.kernels.fused import rope_qkv
-    from lmfs.nn.positions import apply_rope, rope_angles
-
-    cos, sin = (t.to(DEVICE) for t in rope_angles(torch.arange(T + 3), d))
-    qkv = randn(2, T, (n_q + 2 * n_kv) * d)
-
-    def reference(x):
-        q, k, v = (part.unflatten(-1, (-1, d)).transpose(1, 2) for part in x.split([n_q * d, n_kv * d, n_kv * d], -1))
-        return apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T]), v
-
-    def ours(x):
-        return rope_qkv(x, cos, sin, n_q, n_kv)
-
-    qkv_ = qkv.clone().requires_grad_()
-    outs = ours(qkv_)
-    ref_outs = reference(qkv)
-    assert [o.shape for o in outs] == [r.shape for r in ref_outs]
-    assert_all_close(outs, ref_outs)
-    grads_out = [randn(*o.shape, seed=i + 1) for i, o in enumerate(outs)]
-    (grad,) = torch.autograd.grad(outs, qkv_, grads_out)
-    qkv_ref = qkv.clone().requires_grad_()
-    (ref_grad,) = torch.autograd.grad(reference(qkv_ref), qkv_ref, grads_out)
-    assert_all_close([grad], [ref_grad])
-
-
-def test_rope_qkv_rejects_bad_shapes():
-    from lmfs.kernels.fused import rope_qkv
-    from lmfs.nn.positions import rope_angles
-
-    cos, sin = (t.to(DEVICE) for t in rope_angles(torch.arange(8), 8))
-    with pytest.raises(ValueError, match="n_heads"):
-        rope_qkv(randn(1, 8, 30), cos, sin, 2, 1)
-    with pytest.raises(ValueError, match="cos and sin"):
-        rope_qkv(randn(1, 9, 32), cos, sin, 2, 1)  # 9 positions, tables for 8
-
-
-@pytest.mark.parametrize("shape", [(3, 5, 80), (7, 2 * 1100)])  # F = 1100: two column blocks, masked
-def test_swiglu_matches_silu_gate_times_up(shape):
-    from lmfs.kernels.fused import swiglu
-
-    x = randn(*shape) * 2
-    out, grads, dy = forward_backward(swiglu, x)
-    ref = lambda t: F.silu(t.chunk(2, -1)[0]) * t.chunk(2, -1)[1]  # noqa: E731
-    ref_out, ref_grads, _ = forward_backward(ref, x, grad_out=dy)
-    assert_all_close([out, *grads], [ref_out, *ref_grads])
-
-
-@pytest.mark.parametrize("kernel,block", [("row", None), ("looped", 256)])  # looped: 4 blocks, last masked
-@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
-def test_cross_entropy_rows_loss_and_gradient(z_loss, kernel, block, monkeypatch):
-    import lmfs.kernels.fused as fused
-    from lmfs.kernels.fused import cross_entropy_rows
-
-    monkeypatch.setattr(fused, "CE_KERNEL", kernel)
-    if block:
-        monkeypatch.setattr(fused, "CE_BLOCK", block)
-
-    n, V = 6, 1000
-    logits = randn(n, V) * 3
-    targets = torch.tensor([3, -100, 999, 0, 512, 7], device=DEVICE)
-    kept = (targets != -100).sum()
-    grad = torch.full((n + 4, V), 7.0, device=DEVICE)  # rows 2 .. 2 + n get written, the rest not
-    rows = cross_entropy_rows(logits, targets, (1 / kept).float(), grad, grad_row=2, z_loss=z_loss)
-
-    x = logits.clone().requires_grad_()
-    lse = torch.logsumexp(x, -1)
-    per_row = F.cross_entropy(x, targets, reduction="none") + z_loss * lse.square() * (targets != -100)
-    (per_row.sum() / kept).backward()
-    assert_all_close([rows, grad[2:2 + n]], [per_row.detach(), x.grad])
-    assert (grad[:2] == 7).all() and (grad[2 + n:] == 7).all()
-
-
-@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
-def test_linear_cross_entropy_kernel_path_matches_pytorch_path(z_loss):
-    from lmfs.nn.loss import _LinearCrossEntropy
-
-    h, w = randn(37, 16), randn(300, 16, seed=1) * 0.5
-    targets = torch.randint(300, (37,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    targets[5] = -100
-    results = []
-    for kernel in (False, True):
-        h_, w_ = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = _LinearCrossEntropy.apply(h_, w_, targets, z_loss, None, 10, True, kernel)  # 4 chunks
-        results.append([loss, *torch.autograd.grad(loss, (h_, w_))])
-    assert_all_close(results[1], results[0])
-
-
-def _kernels_on_the_cpu(monkeypatch):
-    """Let TransformerLM take its GPU kernel path here (the kernels run in Triton's interpreter)."""
-    import lmfs.nn.attention
-    import lmfs.nn.layers
-
-    def apply(x, weight, enabled=True):
-        return enabled and lmfs.nn.layers.autocast_casts(x, weight)
-
-    monkeypatch.setattr(lmfs.nn.layers, "kernels_apply", apply)
-    monkeypatch.setattr(lmfs.nn.attention, "kernels_apply", apply)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="forces the kernel path on the CPU, through the interpreter")
-@pytest.mark.parametrize("n_kv_heads", [4, 2])
-def test_model_kernel_path_matches_pytorch_path(monkeypatch, n_kv_heads):
-    """TransformerLM with fused projections under bf16 autocast: the Triton kernels (rope_qkv,
-    swiglu) against the same model's PyTorch path; loss and every gradient."""
-    from lmfs.nn import TransformerConfig, TransformerLM
-
-    _kernels_on_the_cpu(monkeypatch)
-    results = []
-    for kernels in (False, True):
-        config = TransformerConfig(vocab_size=128, context_length=32, d_model=64, n_layers=2, n_heads=4,
-                                   n_kv_heads=n_kv_heads, triton_kernels=kernels)
-        torch.manual_seed(0)
-        model = TransformerLM(config)
-        x = torch.randint(128, (2, 32), generator=torch.Generator().manual_seed(1))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x, x)[1]
-        loss.backward()
-        results.append([loss.float()] + [p.grad.float() for p in model.parameters()])
-    # bf16 activations; the kernels keep the angles in fp32 where apply_rope rounds them to bf16.
-    assert_all_close(results[1], results[0], atol=2e-3, rtol=3e-2)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="forces the kernel path on the CPU, through the interpreter")
-def test_activation_formula_with_the_kernels(monkeypatch):
-    """What the kernel path saves for the backward pass, tensor by tensor, against the formula."""
-    from lmfs.accounting import training_memory
-    from lmfs.bench.memory import saved_tensor_bytes
-    from lmfs.nn import TransformerConfig, TransformerLM
-
-    _kernels_on_the_cpu(monkeypatch)
-    for n_kv_heads in (4, 2):
-        config = TransformerConfig(vocab_size=100, context_length=64, d_model=64, n_layers=2, n_heads=4,
-                                   n_kv_heads=n_kv_heads)
-        model = TransformerLM(config)
-        x, y = torch.randint(100, (2, 3, 40), generator=torch.Generator().manual_seed(0))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            measured = saved_tensor_bytes(lambda: model(x, y), model)  # noqa: B023
-        parts = training_memory(config, *x.shape, compute_bytes=2, triton_kernels=True)
-        predicted = parts["weight_copies"] + parts["activations"] + parts["logits"] // 3
-        assert 0 <= measured - predicted <= 4, (n_kv_heads, measured, predicted)  # 4: nll's total weight

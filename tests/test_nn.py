@@ -1,14 +1,17 @@
+import ast
 import dataclasses
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lmfs.nn import (CausalSelfAttention, LayerNorm, Linear, RMSNorm, TransformerConfig, TransformerLM,
-                     apply_rope, attention_reference, causal_mask, count_params, from_hf_llama,
-                     generate, rope_angles, sinusoidal_table, to_hf_llama, top_k_filter, top_p_filter)
+from lmfs.nn import (Block, CausalSelfAttention, LayerNorm, Linear, RMSNorm, RotaryEmbedding, TransformerConfig,
+                     TransformerLM, apply_rope, attention_reference, causal_mask, count_params, cross_entropy,
+                     from_hf_llama, generate, rope_angles, silu, sinusoidal_table, softmax, to_hf_llama,
+                     top_k_filter, top_p_filter)
 from lmfs.nn.layers import default_d_ff
 
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
@@ -433,169 +436,167 @@ def test_replace_resolves_defaults_again():
     assert dataclasses.replace(config, ffn="relu").ffn_dim == 192
 
 
-# ---------------------------------------------------------------- fast paths: same model, other code
+# ---------------------------------------------------------------- the package itself
 
 
-def grads_of(loss, model):
-    return dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+def test_nn_imports_nothing_from_kernels_or_benchmarks():
+    """lmfs.nn is the model as taught: no module of it reaches for the kernels or the harnesses."""
+    forbidden = ("lmfs.kernels", "lmfs.bench", "lmfs.benchmarks")
+    files = sorted((Path(__file__).parent.parent / "lmfs" / "nn").glob("*.py"))
+    assert len(files) >= 9
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            bad = [n for n in names if n.startswith(forbidden)]
+            assert not bad, f"{path.name} imports {bad}"
 
 
-def assert_grads_close(a: dict, b: dict, **tol):
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+# ---------------------------------------------------------------- functional: written out vs torch
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_linear_equals_separate_layers(bias):
-    from lmfs.nn import fused_linear
+HARD_ROWS = torch.tensor([
+    [1000.0, 999.0, -1000.0, 0.0],               # exp would overflow without the shift
+    [-1000.0, -1001.0, -1002.0, -1003.0],        # ... or underflow to 0 / 0
+    [3.0, float("-inf"), 1.0, float("-inf")],    # masked entries
+    [1e-3, 2e-3, -1e-3, 0.0],                    # nearly uniform
+])
 
+
+def test_softmax_matches_torch_including_hard_inputs():
+    x = torch.cat([HARD_ROWS, 5 * torch.randn(6, 4, generator=torch.Generator().manual_seed(0))])
+    for dim in (-1, 0):
+        torch.testing.assert_close(softmax(x, dim), torch.softmax(x, dim), rtol=1e-6, atol=1e-7)
+    masked = softmax(HARD_ROWS[2], dim=-1)
+    assert masked[1] == 0 and masked[3] == 0
+    all_masked = torch.full((4,), float("-inf"))
+    assert softmax(all_masked).isnan().all() and torch.softmax(all_masked, -1).isnan().all()  # as torch
+    x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(2))
+    (ours,) = torch.autograd.grad(softmax(x, 1), x, g)
+    (theirs,) = torch.autograd.grad(torch.softmax(x, 1), x, g)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_entropy_matches_torch_including_hard_inputs():
+    logits = torch.cat([HARD_ROWS, 10 * torch.randn(8, 4, generator=torch.Generator().manual_seed(0))])
+    targets = torch.tensor([0, 3, 2, 1, 0, 1, 2, 3, -100, 1, 2, 0])
+    for ignore, t in [(-100, targets), (1, targets.clamp(min=0))]:
+        torch.testing.assert_close(cross_entropy(logits, t, ignore_index=ignore),
+                                   F.cross_entropy(logits, t, ignore_index=ignore), rtol=1e-6, atol=1e-6)
+    x = logits[4:].clone().requires_grad_()
+    ours = torch.autograd.grad(cross_entropy(x, targets[4:]), x)[0]
+    theirs = torch.autograd.grad(F.cross_entropy(x, targets[4:]), x)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    # A masked (-inf) target is infinitely unlikely: an infinite loss, as torch says.
+    assert cross_entropy(HARD_ROWS[2:3], torch.tensor([1])).isinf()
+    assert F.cross_entropy(HARD_ROWS[2:3], torch.tensor([1])).isinf()
+    with pytest.raises(ValueError, match="flatten batch and time"):
+        cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_silu_matches_torch():
+    x = torch.cat([torch.linspace(-20, 20, 101), torch.tensor([-1e4, 1e4, 0.0])]).requires_grad_()
+    torch.testing.assert_close(silu(x), F.silu(x))
+    g = torch.randn(104, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.autograd.grad(silu(x), x, g)[0], torch.autograd.grad(F.silu(x), x, g)[0])
+    assert math.isclose(silu(torch.linspace(-3, 0, 3001)).min().item(), -0.2785, abs_tol=1e-4)
+
+
+# ---------------------------------------------------------------- explicit positions
+
+
+def test_rope_angles_with_batched_positions():
+    # T = head_dim / 2: the shape that broadcasting once got wrong silently.
+    for T, head_dim in [(4, 8), (5, 8), (1, 8)]:
+        positions = torch.stack([torch.arange(T), torch.arange(T) + 10])  # (B=2, T)
+        cos, sin = rope_angles(positions, head_dim)
+        assert cos.shape == sin.shape == (2, T, head_dim)
+        for b in range(2):
+            row_cos, row_sin = rope_angles(positions[b], head_dim)
+            torch.testing.assert_close(cos[b], row_cos, rtol=0, atol=0)
+            torch.testing.assert_close(sin[b], row_sin, rtol=0, atol=0)
+
+
+def test_rope_offset_positions_equal_a_slice_of_a_longer_sequence():
+    rope = RotaryEmbedding(8, max_positions=16)
+    x = torch.randn(2, 3, 20, 8, generator=torch.Generator().manual_seed(0))
+    whole = rope(x)  # positions 0..19
+    for offset in (0, 5, 12):  # within the cached table, and past it
+        torch.testing.assert_close(rope(x[:, :, offset:offset + 8], torch.arange(offset, offset + 8)),
+                                   whole[:, :, offset:offset + 8])
+    # Per sequence: row 0 continues at 5, row 1 at 11.
+    positions = torch.stack([torch.arange(5, 13), torch.arange(11, 19)])
+    got = rope(torch.stack([x[0, :, 5:13], x[1, :, 11:19]]), positions)
+    torch.testing.assert_close(got, torch.stack([whole[0, :, 5:13], whole[1, :, 11:19]]))
+
+
+def test_packed_positions_restart_per_document():
     torch.manual_seed(0)
-    x = torch.randn(3, 5, 16, requires_grad=True)
-    layers = [Linear(16, 16, bias), Linear(16, 8, bias), Linear(16, 8, bias)]  # GQA-like widths
-    for layer in layers:
-        if bias:
-            layer.bias.data.normal_()
-    fused = fused_linear(x, layers)
-    separate = [layer(x) for layer in layers]
-    for f, s in zip(fused, separate):
-        torch.testing.assert_close(f, s, rtol=1e-6, atol=1e-6)
-    params = [x] + [p for layer in layers for p in layer.parameters()]
-    g = torch.randn(3, 5, 32)
-    got = torch.autograd.grad(torch.cat(fused, -1), params, g)
-    want = torch.autograd.grad(torch.cat(separate, -1), params, g)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="last dimension must equal d_in"):
-        fused_linear(torch.randn(2, 7), layers)
+    rope = RotaryEmbedding(8, max_positions=16)
+    docs = [torch.randn(1, 2, n, 8) for n in (3, 5, 2)]
+    positions = torch.cat([torch.arange(n) for n in (3, 5, 2)])  # [0 1 2 0 1 2 3 4 0 1]
+    packed = rope(torch.cat(docs, dim=2), positions)
+    torch.testing.assert_close(packed, torch.cat([rope(d) for d in docs], dim=2))
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(n_kv_heads=2, ffn="geglu"), dict(attention="mla", kv_latent_dim=8),
-                                       dict(bias=True, positions="none")], ids=str)
-def test_fused_projections_under_autocast_equal_separate_ones(overrides, monkeypatch):
-    import lmfs.nn.layers as layers
-
-    calls = []
-    real = layers.fused_linear
-    monkeypatch.setattr(layers, "fused_linear", lambda x, ls: calls.append(len(ls)) or real(x, ls))
-    fused = model_of(tiny(fused_projections=True, **overrides))
-    plain = model_of(tiny(fused_projections=False, **overrides))
-    plain.load_state_dict(fused.state_dict())  # the switch changes no parameter
-    idx = tokens()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused_logits, fused_loss = fused(idx, idx)
-    assert calls, "autocast should take the fused path"
-    calls.clear()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain_logits, plain_loss = plain(idx, idx)
-    assert not calls
-    # The same bf16 products: one matmul rounds each output once, like the separate ones.
-    torch.testing.assert_close(fused_logits, plain_logits, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-3, atol=1e-3)
-    # The input's gradient is one matmul instead of a sum of bf16-rounded ones: bf16-close.
-    assert_grads_close(grads_of(fused_loss, fused), grads_of(plain_loss, plain), rtol=0.05, atol=2e-3)
+def test_model_positions():
+    idx = tokens(B=2, T=10)
+    model = model_of(tiny())
+    logits = model(idx)[0]
+    torch.testing.assert_close(model(idx, positions=torch.arange(10))[0], logits)  # the default
+    # RoPE sees relative positions only: shifting every token by the same offset changes nothing.
+    torch.testing.assert_close(model(idx, positions=torch.arange(10) + 37)[0], logits, rtol=1e-4, atol=1e-4)
+    # (B, T) positions: each row as if it ran alone at its own positions.
+    per_row = torch.stack([torch.arange(10), torch.arange(10) + 3])
+    both = model(idx, positions=per_row)[0]
+    torch.testing.assert_close(both[1], model(idx[1:], positions=torch.arange(10) + 3)[0][0])
+    learned = model_of(tiny(positions="learned"))
+    shifted = learned(idx[:, :6], positions=torch.arange(6) + 4)[0]
+    table = learned.pos_emb.table.weight
+    x = learned.tok_emb(idx[:, :6]) + table[4:10]
+    for block in learned.blocks:
+        x = block(x)
+    torch.testing.assert_close(shifted, learned.head(learned.final_norm(x)))
+    with pytest.raises(ValueError, match="positions must be integer"):
+        model(idx, positions=torch.arange(9))
+    with pytest.raises(ValueError, match="positions must be integer"):
+        model(idx, positions=torch.arange(10.0))
 
 
-def test_fused_projections_leave_fp32_untouched(monkeypatch):
-    import lmfs.nn.layers as layers
-
-    monkeypatch.setattr(layers, "fused_linear", lambda *a: pytest.fail("fp32 needs no stacked copy"))
-    model = model_of(tiny(fused_projections=True))
-    plain = model_of(tiny(fused_projections=False))
-    idx = tokens()
-    torch.testing.assert_close(model(idx, idx)[1], plain(idx, idx)[1], rtol=0, atol=0)
-
-
-def reference_loss(h, w, targets, z_loss=0.0, softcap=None):
-    logits = h @ w.T
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    keep = targets != -100
-    loss = F.cross_entropy(logits, targets, ignore_index=-100)
-    return loss + z_loss * torch.logsumexp(logits[keep], -1).pow(2).mean() if z_loss else loss
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 16, 37, 1000])  # 37 rows: ragged last chunk for 5 and 16
-@pytest.mark.parametrize("z_loss, softcap", [(0.0, None), (1e-2, None), (0.0, 3.0), (1e-2, 3.0)])
-def test_linear_cross_entropy_equals_cross_entropy(chunk, z_loss, softcap):
-    from lmfs.nn import linear_cross_entropy
-
+def test_offset_rope_equals_slicing_a_longer_sequence_in_attention():
+    """Attention over a suffix at its true positions sees the same rotated q·k as inside the full
+    sequence; with a window covering only that suffix, the outputs agree."""
     torch.manual_seed(0)
-    h = torch.randn(37, 16, requires_grad=True)
-    w = torch.randn(50, 16, requires_grad=True)
-    targets = torch.randint(50, (37,))
-    targets[[0, 6, 20]] = -100
-    want = reference_loss(h, w, targets, z_loss, softcap)
-    got = linear_cross_entropy(h, w, targets, z_loss=z_loss, softcap=softcap, chunk=chunk)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    scale = torch.tensor(0.25)  # the incoming gradient, e.g. 1 / micro-batches
-    for a, b in zip(torch.autograd.grad(got * scale, (h, w)), torch.autograd.grad(want * scale, (h, w))):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    with torch.no_grad():  # no gradient asked: the loss alone
-        torch.testing.assert_close(linear_cross_entropy(h, w, targets, z_loss=z_loss, softcap=softcap,
-                                                        chunk=chunk), want, rtol=1e-6, atol=1e-6)
+    attn = CausalSelfAttention(d_model=32, n_heads=4, window=4, context_length=16)
+    x = torch.randn(1, 12, 32)
+    full = attn(x)
+    # Position 11's window is tokens 8..11: the same inputs at positions 8..11 give the same output.
+    torch.testing.assert_close(attn(x[:, 8:], torch.arange(8, 12))[0, -1], full[0, -1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(tie_embeddings=False), dict(z_loss=1e-3, logit_softcap=5.0)],
-                         ids=str)
-def test_loss_without_logits_equals_loss_from_logits(overrides):
-    model = model_of(tiny(**overrides))
-    idx, targets = tokens(), tokens(seed=2)
-    targets[0, :3] = -100
-    logits, loss = model(idx, targets)
-    none, chunked = model(idx, targets, return_logits=False)
-    assert none is None
-    torch.testing.assert_close(chunked, loss, rtol=1e-6, atol=1e-6)
-    assert_grads_close(grads_of(chunked, model), grads_of(model(idx, targets)[1], model), rtol=1e-5, atol=1e-7)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 head and gradient, as the 2-step path
-        _, auto_plain = model(idx, targets)
-        _, auto_chunked = model(idx, targets, return_logits=False)
-    torch.testing.assert_close(auto_chunked, auto_plain, rtol=1e-3, atol=1e-3)
-    assert_grads_close(grads_of(auto_chunked, model), grads_of(auto_plain, model), rtol=0.05, atol=1e-3)
-    with pytest.raises(ValueError, match="return_logits=False only applies with targets"):
-        model(idx, return_logits=False)
+# ---------------------------------------------------------------- single layers without a model
 
 
-def test_fast_paths_compile_without_graph_breaks():
-    model = model_of(tiny(tie_embeddings=False))
-    idx, targets = tokens(), tokens(seed=2)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # fused projections and chunked loss
-        loss = compiled(idx, targets, return_logits=False)[1]
-        eager = model(idx, targets, return_logits=False)[1]
-    torch.testing.assert_close(loss, eager)
-    assert_grads_close(grads_of(loss, model), grads_of(eager, model), rtol=1e-2, atol=1e-4)
-
-
-def test_sdpa_backend_preference():
-    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
-
-    from lmfs.nn.attention import prefer_sdpa_backend, sdpa_preference
-
-    before = _cur_sdpa_kernel_backends(with_priority=True)
-
-    def attend(q):
-        with prefer_sdpa_backend("cudnn"):
-            assert _cur_sdpa_kernel_backends(with_priority=True)[0] == SDPBackend.CUDNN_ATTENTION
-            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
-
-    q = torch.randn(2, 3, 8, 4)
-    torch.testing.assert_close(attend(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
-    assert _cur_sdpa_kernel_backends(with_priority=True) == before  # restored on exit
-    compiled = torch.compile(_prefer_and_attend, backend="aot_eager", fullgraph=True)  # no graph break
-    torch.testing.assert_close(compiled(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
-    assert _cur_sdpa_kernel_backends(with_priority=True) == before
-    # "auto", and any device but CUDA, leave SDPA's choice alone: the CPU path is unchanged.
-    assert type(sdpa_preference("auto", torch.device("cuda"))).__name__ == "nullcontext"
-    assert type(sdpa_preference("flash", torch.device("cpu"))).__name__ == "nullcontext"
-    model = model_of(tiny(sdpa_backend="flash"))
-    torch.testing.assert_close(model(tokens())[0], model_of(tiny())(tokens())[0])
-    with pytest.raises(ValueError, match="sdpa_backend"):
-        tiny(sdpa_backend="fastest")
-
-
-def _prefer_and_attend(q):
-    from lmfs.nn.attention import prefer_sdpa_backend
-
-    with prefer_sdpa_backend("flash"):
-        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+def test_layers_from_dims_equal_layers_from_a_config():
+    config = TransformerConfig(d_model=64, n_heads=4, n_kv_heads=2, qk_norm=True)
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(0))
+    for cls in (CausalSelfAttention, Block):
+        torch.manual_seed(0)
+        from_config = cls(config)
+        torch.manual_seed(0)
+        from_dims = cls(d_model=64, n_heads=4, n_kv_heads=2, qk_norm=True)
+        assert from_dims.state_dict().keys() == from_config.state_dict().keys()
+        torch.testing.assert_close(from_dims(x), from_config(x), rtol=0, atol=0)
+    attn = CausalSelfAttention(tiny(), window=3)  # a config with one field replaced
+    assert attn.window == 3 and attn.n_heads == 4
+    block = Block(d_model=48, n_heads=6, ffn="gelu", norm="layer")
+    assert block(torch.randn(1, 5, 48)).shape == (1, 5, 48)
+    with pytest.raises(TypeError, match="unknown settings.*d_modle"):
+        CausalSelfAttention(d_modle=64)
+    with pytest.raises(ValueError, match="not divisible by n_heads"):
+        CausalSelfAttention(d_model=30, n_heads=4)

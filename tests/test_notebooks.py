@@ -24,6 +24,14 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "lectures/ holds no notebooks"
 
 
+def test_lecture_status_matches_the_notebooks():
+    # "ready" exactly for the lectures whose notebook is in lectures/: the README's table says so.
+    present = {p.name for p in NOTEBOOKS}
+    wrong = [(lec.filename, lec.status) for lec in LECTURES
+             if (lec.status == "ready") != (lec.filename in present) or lec.status not in ("ready", "planned")]
+    assert not wrong, f"set status in lmfs/lectures.py LECTURES: {wrong}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_is_stored_clean(path):
     problems = notebook_problems(path)

@@ -17,14 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lmfs.parallel import run, run_each
-from lmfs.benchmarks.collective_bandwidth import bandwidth_worker
-from lmfs.parallel.collectives import (collectives_table, compare_all_reduce, demo_collectives,
+from lmfs.parallel.collectives import (bandwidth_worker, collectives_table, compare_all_reduce, demo_collectives,
                                        reference_collectives)
+from lmfs.parallel.common import build_model, demo_batches, demo_config, shard_batch, train_single
 from lmfs.parallel.costs import STRATEGIES, cost_table, llama_70b, strategy_costs
-from lmfs.parallel.ddp import (DDP, NaiveDDP, build_model, demo_batches, demo_config, shard_batch, train_ddp,
-                               train_single)
+from lmfs.parallel.ddp import DDP, NaiveDDP, train_ddp
 from lmfs.parallel.expert import moe_batches, train_expert_parallel, train_moe_single
-from lmfs.parallel.launch import RankFailedError, free_port
+from lmfs.parallel.launch import RankFailedError, free_port, placement
 from lmfs.parallel.pipeline import bubble, bubble_sweep, plot_timeline, train_pipeline
 from lmfs.parallel.ring_attention import check_ring_attention, full_attention, full_attention_inputs
 from lmfs.parallel.tensor import train_tensor_parallel
@@ -135,6 +134,27 @@ def test_unimportable_functions_are_rejected_with_the_fix():
         run(nested, 2)
 
 
+def test_placement_uses_gloo_when_there_are_fewer_gpus_than_ranks(monkeypatch):
+    monkeypatch.delenv("LMFS_DIST_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    one_gpu = placement(2)
+    assert (one_gpu.backend, one_gpu.device) == ("gloo", "cpu")
+    assert "1 GPU for 2 ranks" in one_gpu.reason and "gloo" in str(one_gpu)
+    assert (placement(1).backend, placement(1).device) == ("nccl", "cuda")
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        placement(2, backend="nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert placement(2).backend == "nccl"
+    assert placement(4).backend == "gloo"
+    assert placement(4, ranks_per_node=2).backend == "nccl"  # torchrun: 2 of the 4 ranks on this machine
+    monkeypatch.setenv("LMFS_DIST_BACKEND", "gloo")
+    assert placement(2).backend == "gloo" and "LMFS_DIST_BACKEND" in placement(2).reason
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LMFS_DIST_BACKEND")
+    assert placement(1).backend == "gloo"
+
+
 def test_under_torchrun_runs_in_process(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -193,10 +213,10 @@ def fsdp_gathered_tensors_alive(config, batch, rank, world_size):
 def buckets_launched_in_backward(config, batch, rank, world_size):
     """(buckets whose collective started during backward, buckets) for DDP and ZeRO-2."""
     out = {}
-    for name in ("ddp", "zero2"):
+    for name in ("ddp", "ddp_one_bucket", "zero2"):
         model = build_model(config, 0, "cpu")
-        if name == "ddp":
-            wrapper = DDP(model, bucket_size_mb=0.02)
+        if name.startswith("ddp"):
+            wrapper = DDP(model, bucket_size_mb=0.02 if name == "ddp" else None)
             bucketers = [wrapper.buckets]
         else:
             wrapper = ZeroOptimizer(model.parameters(), torch.optim.AdamW, 2, bucket_size_mb=0.02)
@@ -204,7 +224,7 @@ def buckets_launched_in_backward(config, batch, rank, world_size):
         _, loss = model(*shard_batch(batch, rank, world_size))
         loss.backward()
         out[name] = (sum(b.next_to_launch for b in bucketers), sum(len(b.buckets) for b in bucketers))
-        wrapper.finish_gradient_sync() if name == "ddp" else wrapper.step()
+        wrapper.finish_gradient_sync() if name.startswith("ddp") else wrapper.step()
     return out
 
 
@@ -216,6 +236,8 @@ def remember(refs, tensor):
 def data_parallel_worker(rank, world_size, config, batches):
     out = {mode: train_ddp(rank, world_size, config, batches, mode, torch.optim.AdamW, ADAMW,
                            bucket_size_mb=0.02) for mode in ("naive", "bucketed")}
+    out["one_bucket"] = train_ddp(rank, world_size, config, batches, "bucketed", torch.optim.AdamW, ADAMW,
+                                  bucket_size_mb=None)
     for stage in (1, 2, 3):
         out[f"zero{stage}"] = train_zero(rank, world_size, config, batches, stage, torch.optim.AdamW,
                                          ADAMW, bucket_size_mb=0.02)
@@ -239,7 +261,7 @@ def test_data_parallel_and_zero_match_single_process():
     assert len(ref["losses"]) == len(ref["step_seconds"]) == len(batches)
     results = run(data_parallel_worker, 2, config, batches)
     res = results[0]
-    for name in ("naive", "bucketed", "zero1", "zero2", "zero3"):
+    for name in ("naive", "bucketed", "one_bucket", "zero1", "zero2", "zero3"):
         assert_same_state(res[name]["state"], ref["state"], what=name)
         assert res[name]["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     # bf16 compute: the same training to bf16 accuracy
@@ -259,6 +281,7 @@ def test_data_parallel_and_zero_match_single_process():
     n_params = sum(v.numel() for v in ref["state"].values())
     by_op = {k: res[k]["bytes_per_step"]["by_op"] for k in res if "bytes_per_step" in res[k]}
     assert by_op["naive"]["all_reduce"] == by_op["bucketed"]["all_reduce"] == 4 * n_params
+    assert by_op["one_bucket"]["all_reduce"] == 4 * n_params
     assert by_op["zero2"]["reduce_scatter"] == by_op["zero2"]["all_gather"]
     assert by_op["zero2"]["all_gather"] == pytest.approx(2 * n_params, rel=0.01)
     assert by_op["zero3"]["all_gather"] == pytest.approx(4 * n_params, rel=0.01)       # forward + backward
@@ -270,8 +293,11 @@ def test_data_parallel_and_zero_match_single_process():
     assert res["fsdp_alive"] == {"gathers": 2 * units, "after_forward": 0, "after_backward": 0}
 
     # Bucketed DDP and ZeRO-2 start every bucket's collective before backward returns.
-    for name, (launched, buckets) in res["launched_in_backward"].items():
-        assert launched == buckets > 1, name
+    # bucket_size_mb=None: one bucket holding every gradient.
+    launched = res["launched_in_backward"]
+    for name in ("ddp", "zero2"):
+        assert launched[name][0] == launched[name][1] > 1, name
+    assert launched["ddp_one_bucket"] == (1, 1)
 
     # Unused and frozen parameters: the average over ranks, None where nobody had a gradient.
     g0, g1 = partial_grads(0), partial_grads(1)
@@ -281,6 +307,82 @@ def test_data_parallel_and_zero_match_single_process():
             torch.testing.assert_close(grads["used.weight"], (g0["used.weight"] + g1["used.weight"]) / 2)
             torch.testing.assert_close(grads["rank0_only.weight"], g0["rank0_only.weight"] / 2)
             assert grads["unused.weight"] is None and grads["frozen.weight"] is None
+
+
+def inverse_step(step):
+    return 1.0 / (1 + step)
+
+
+def zero_checkpoint_worker(rank, world_size, config, batches, k, folder):
+    """ZeRO-1/2 with a LambdaLR: save after k steps, continue; a fresh run restored from the saves
+    must end with exactly the same parameters. Also a plain AdamW + LambdaLR replica of the full
+    batch (no process group) as the independent reference for the schedule."""
+    out = {}
+    for stage in (1, 2):
+        def fresh(seed):
+            model = build_model(config, seed, "cpu")
+            opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage, bucket_size_mb=0.02, **ADAMW)
+            return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, inverse_step)
+
+        def train(model, opt, sched, part):
+            for batch in part:
+                _, loss = model(*shard_batch(batch, rank, world_size))
+                loss.backward()  # ZeroOptimizer averages the ranks' gradients in step()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+
+        model, opt, sched = fresh(0)
+        train(model, opt, sched, batches[:k])
+        path = folder / f"zero{stage}-rank{rank}.pt"
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+                   path)
+        train(model, opt, sched, batches[k:])
+        lr_seen = opt.inner.param_groups[0]["lr"]
+
+        restored, opt2, sched2 = fresh(100 + rank)  # a different start: everything must come from the files
+        saved = torch.load(path, weights_only=False)
+        restored.load_state_dict(saved["model"])
+        opt2.load_state_dict(saved["optimizer"])
+        sched2.load_state_dict(saved["scheduler"])
+        train(restored, opt2, sched2, batches[k:])
+        out[stage] = {"continued": model.state_dict(), "restored": restored.state_dict(), "lr": lr_seen}
+
+        dist.barrier()  # every rank has written its file
+        other = torch.load(folder / f"zero{stage}-rank{1 - rank}.pt", weights_only=False)["optimizer"]
+        try:
+            opt2.load_state_dict(other)
+        except ValueError as err:
+            out[stage]["wrong_rank"] = str(err)
+
+    torch.manual_seed(0)
+    replica = build_model(config, 0, "cpu")
+    opt = torch.optim.AdamW(replica.parameters(), **ADAMW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_step)
+    for x, y in batches:
+        replica(x, y)[1].backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    out["replica"] = replica.state_dict()
+    return out
+
+
+def test_zero_optimizer_resumes_from_per_rank_checkpoints_and_takes_lr_schedules(tmp_path):
+    config, batches = demo_config(), demo_batches(5, 8, 16, 64)
+    k = 2
+    results = run(zero_checkpoint_worker, 2, config, batches, k, tmp_path)
+    for rank, res in enumerate(results):
+        for stage in (1, 2):
+            r = res[stage]
+            for name, want in r["continued"].items():
+                assert torch.equal(r["restored"][name], want), f"stage {stage}, rank {rank}: {name} differs"
+            # LambdaLR drove the inner optimizer: lr · 1/(1 + steps taken) ...
+            assert r["lr"] == pytest.approx(ADAMW["lr"] / (1 + len(batches)))
+            # ... and ZeRO under the schedule trains like plain AdamW under it.
+            assert_same_state(r["continued"], res["replica"], what=f"zero{stage} with LambdaLR")
+            assert f"rank {1 - rank}'s shard of a 2-rank run" in r["wrong_rank"]
+            assert f"this is rank {rank} of 2" in r["wrong_rank"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,16 +9,18 @@ from functools import partial
 import pytest
 import torch
 
-from lmfs.parallel import run, run_each
-from lmfs.parallel.ddp import demo_batches, demo_config, train_ddp, train_single
+from lmfs.parallel import placement, run, run_each
+from lmfs.parallel.common import demo_batches, demo_config, train_single
+from lmfs.parallel.ddp import train_ddp
 from lmfs.parallel.expert import moe_batches, train_expert_parallel, train_moe_single
 from lmfs.parallel.pipeline import train_pipeline
 from lmfs.parallel.ring_attention import check_ring_attention, full_attention, full_attention_inputs
 from lmfs.parallel.tensor import train_tensor_parallel
 from lmfs.parallel.zero import train_zero
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, one process each)")]
+# The decision the lectures use (lmfs.parallel.placement): NCCL when there is a GPU per rank.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(placement(2).backend != "nccl",
+                                                  reason="needs 2 GPUs (NCCL, one process each)")]
 
 ADAMW = dict(lr=1e-3, eps=1e-6)
 

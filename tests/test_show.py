@@ -29,7 +29,7 @@ def test_show_rejects_objects_without_source():
 
 def test_show_unwraps_triton_kernels():
     import lmfs.kernels  # noqa: F401  (sets up Triton: the interpreter without a GPU)
-    from lmfs.kernels.gelu import _gelu_fwd_kernel as kernel
+    from lmfs.kernels.gelu import gelu_fwd_kernel as kernel
 
     location, source = source_of(kernel)
     assert location.startswith("lmfs/kernels/gelu.py:") and "tl." in source

@@ -11,8 +11,9 @@ from collections import Counter
 import pytest
 import regex
 
-from lmfs.tokenization import (GPT2_PATTERN, Tokenizer, count_pretokens_in_file,
-                               find_chunk_boundaries, find_pretokens, pretokenize, train_bpe)
+from lmfs.tokenization import (GPT2_PATTERN, PairIndex, Tokenizer, count_pairs, count_pretokens,
+                               count_pretokens_in_file, find_chunk_boundaries, find_pretokens,
+                               learn_merges, merge_word, pretokenize, train_bpe)
 
 EOT = "<|endoftext|>"
 # Written out again on purpose (not imported): the references must not share code with lmfs.
@@ -222,14 +223,40 @@ def test_parallel_pretokenization_gives_the_same_merges(tmp_path):
 
 def test_bad_inputs(tmp_path):
     path = write(tmp_path, "hello")
-    with pytest.raises(ValueError, match="at least 258"):
+    with pytest.raises(ValueError, match=r"at least 258 \(256 bytes \+ 2 special tokens\)"):
         train_bpe(path, 257, [EOT, "<|pad|>"])
+    with pytest.raises(ValueError, match=r"at least 257 \(256 bytes \+ 1 special token\)"):
+        train_bpe(path, 256, [EOT])
     missing = tmp_path / "nope.txt"
     with pytest.raises(FileNotFoundError, match="nope.txt"):
         train_bpe(missing, 300, [EOT])
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        train_bpe(tmp_path, 300, [EOT])
     empty = write(tmp_path, "", "empty.txt")
-    vocab, merges = train_bpe(empty, 1000, [EOT], num_workers=2)
+    with pytest.raises(ValueError, match="empty.txt is empty"):
+        train_bpe(empty, 1000, [EOT], num_workers=2)
+    only_specials = write(tmp_path, EOT * 3, "specials.txt")
+    with pytest.raises(ValueError, match="only special tokens"):
+        train_bpe(only_specials, 1000, [EOT])
+    # Text without any pair to merge is not an error: training stops early, with 0 merges.
+    vocab, merges = train_bpe(write(tmp_path, f"a{EOT}b", "one.txt"), 1000, [EOT], num_workers=1)
     assert merges == [] and len(vocab) == 257 and vocab[256] == EOT.encode()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_invalid_utf8_is_replaced(tmp_path, workers):
+    """Invalid bytes train as U+FFFD, exactly as if the file were opened with errors="replace"."""
+    good = corpus(20, seed=5).encode()
+    junk = [b"\xff", b"\xc3(", b"\xe2\x82", b"\xed\xa0\x80", b"\x80\x80"]  # bad start, cut, surrogate
+    data = b"".join(good[i : i + 300] + junk[i // 300 % len(junk)] for i in range(0, len(good), 300))
+    path = tmp_path / "bad.txt"
+    path.write_bytes(data)
+    text = data.decode("utf-8", errors="replace")
+    assert "\ufffd" in text
+    counts = count_pretokens_in_file(path, [EOT], workers, chunk_bytes=500)
+    assert counts == Counter(ref_pretokens(text, [EOT]))
+    got = train_bpe(path, 256 + 1 + 60, [EOT], num_workers=workers)
+    assert got == ref_train(text, 256 + 1 + 60, [EOT])
 
 
 def test_progress_bar_runs(tmp_path, capsys):
@@ -283,6 +310,17 @@ def test_overlapping_special_tokens_longest_wins(trained):
     # Without special tokens, "<|endoftext|>" is ordinary text.
     plain = Tokenizer(vocab, merges)
     assert 256 not in plain.encode(EOT) and plain.decode(plain.encode(EOT)) == EOT
+
+
+def test_encode_refuses_bytes(trained, tmp_path):
+    *_, tok = trained
+    with pytest.raises(TypeError, match="got bytes: decode them first"):
+        tok.encode(b"hello")
+    with pytest.raises(TypeError, match="got int"):
+        tok.encode(5)
+    path = write(tmp_path, "line one\nline two\n")
+    with open(path, "rb") as f, pytest.raises(TypeError, match="open files in text mode"):
+        list(tok.encode_iterable(f))
 
 
 def test_decode_invalid_utf8_and_unknown_ids(trained):
@@ -351,3 +389,141 @@ def test_encode_iterable_random_chunks(seed):
     cuts = sorted(rng.sample(range(1, len(text)), 80))
     chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
     assert list(tok.encode_iterable(chunks, buffer_chars=rng.choice([1, 5, 40]))) == tok.encode(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# The incremental pair counts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pair_index_equals_a_recount_after_every_merge(seed):
+    """After each merge, the kept-up-to-date counts equal counting every pair from scratch."""
+    rng = random.Random(seed)
+    words = [[rng.choice([1, 2, 3]) for _ in range(rng.randint(1, 12))] for _ in range(60)]
+    counts = [rng.randint(1, 5) for _ in words]
+    words += [[1, 2, 1, 2, 1, 2], [2, 2, 2, 2, 2], [1, 1, 1]]  # "a b a b", runs of one token
+    counts += [3, 2, 4]
+    index = PairIndex([list(w) for w in words], counts)
+    new_id = 10
+    while index.most_frequent():
+        top = index.most_frequent()
+        recount = count_pairs(words, counts)
+        assert dict(index.pair_counts) == recount
+        assert top == {p for p, c in recount.items() if c == max(recount.values())}
+        pair = min(top)
+        index.merge(pair, new_id)
+        words = [merge_word(w, pair, new_id) for w in words]
+        assert index.words == words
+        new_id += 1
+    assert all(len(w) == 1 for w in words)
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparison helpers (lmfs.tokenization.hf) and the benchmark's replay of Hugging Face
+
+
+def test_tiktoken_encoding_gives_the_same_ids(trained):
+    pytest.importorskip("tiktoken")
+    from lmfs.tokenization.hf import tiktoken_encoding
+
+    text, _, _, tok = trained
+    enc = tiktoken_encoding(tok)
+    for sample in [text, MULTILINGUAL, f"a{EOT}b  c\n\n"]:
+        assert enc.encode(sample, allowed_special="all") == tok.encode(sample)
+
+
+def test_bytes_to_unicode_is_gpt2s_map():
+    from lmfs.tokenization.hf import bytes_to_unicode
+
+    m = bytes_to_unicode()
+    assert len(set(m.values())) == 256 and all(ch.isprintable() and not ch.isspace() for ch in m.values())
+    assert (m[ord(" ")], m[ord("\n")], m[0], m[ord("A")], m[0xFF]) == ("Ġ", "Ċ", "Ā", "A", "ÿ")
+
+
+def test_benchmark_tie_break_loop_with_lmfs_rule_is_learn_merges():
+    from lmfs.benchmarks.bpe import learn_merges_with_ties
+
+    counts = count_pretokens(corpus(8, seed=2), [EOT])
+    vocab_a = {i: bytes([i]) for i in range(256)}
+    vocab_b = dict(vocab_a)
+    ours = learn_merges(counts, vocab_a, 120)
+    replay = learn_merges_with_ties(counts, vocab_b, 120, lambda p: (vocab_b[p[0]], vocab_b[p[1]]))
+    assert replay == ours and vocab_a == vocab_b
+
+
+def test_benchmark_replay_matches_hugging_face(tmp_path):
+    """Fed as HF feeds its trainer and with HF's tie-break, lmfs's merge loop learns HF's merges."""
+    pytest.importorskip("tokenizers")
+    from lmfs.benchmarks.bpe import first_difference, hf_replay
+    from lmfs.tokenization.hf import hf_merges, train_hf
+
+    path = write(tmp_path, corpus(30, seed=4) + "\n    indented\n    code\n" * 5)
+    vocab_size = 256 + 1 + 150
+    hf_tok, seconds = train_hf(path, vocab_size, [EOT])
+    theirs = hf_merges(hf_tok)
+    assert seconds > 0 and len(theirs) == 150
+    assert hf_replay(str(path), vocab_size) == theirs
+    # The replay is not trivially equal: lmfs's own rules learn other merges.
+    ours = train_bpe(path, vocab_size, [EOT], num_workers=1)[1]
+    assert first_difference(ours, theirs) < len(theirs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise checkers of lecture 01
+
+
+def test_exercise_checkers_accept_right_and_reject_wrong_answers():
+    from lmfs.exercises.lecture01 import check_best_pair, check_count_pairs, check_encode_pretoken
+
+    def count_pairs_answer(words, counts):
+        out = Counter()
+        for word, n in zip(words, counts):
+            for pair in zip(word, word[1:]):
+                out[pair] += n
+        return dict(out)
+
+    def count_pairs_unweighted(words, counts):  # forgets the counts
+        return dict(Counter(p for word in words for p in zip(word, word[1:])))
+
+    assert check_count_pairs(count_pairs_answer) > 0
+    with pytest.raises(AssertionError, match="count pairs: wrong result"):
+        check_count_pairs(count_pairs_unweighted)
+
+    def best_pair_answer(pretoken_counts, lowest=False):
+        pairs = Counter()
+        for token, n in pretoken_counts.items():
+            data = [bytes([b]) for b in token.encode()]
+            for pair in zip(data, data[1:]):
+                pairs[pair] += n
+        key = (lambda p: (pairs[p], [-x for x in p[0] + p[1]])) if lowest else (lambda p: (pairs[p], p))
+        return max(pairs, key=key)
+
+    assert check_best_pair(best_pair_answer) > 0
+    with pytest.raises(AssertionError, match="best pair: wrong result"):
+        check_best_pair(lambda c: best_pair_answer(c, lowest=True))  # the wrong tie-break
+
+    def encode_by_rank(piece, merges):
+        rank = {pair: r for r, pair in enumerate(merges)}
+        parts = [bytes([b]) for b in piece.encode()]
+        while True:
+            ranked = [(rank[p], i) for i, p in enumerate(zip(parts, parts[1:])) if p in rank]
+            if not ranked:
+                return parts
+            _, i = min(ranked)
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+
+    def encode_left_to_right(piece, merges):  # merges the first known pair, not the best-ranked
+        known = set(merges)
+        parts = [bytes([b]) for b in piece.encode()]
+        i = 0
+        while i < len(parts) - 1:
+            if (parts[i], parts[i + 1]) in known:
+                parts[i : i + 2] = [parts[i] + parts[i + 1]]
+                i = 0
+            else:
+                i += 1
+        return parts
+
+    assert check_encode_pretoken(encode_by_rank) > 0
+    with pytest.raises(AssertionError, match="encode pre-token: wrong result"):
+        check_encode_pretoken(encode_left_to_right)

@@ -1,16 +1,22 @@
 import dataclasses
+import os
 import random
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import lmfs.train.loop as loop
-from lmfs.nn import TransformerConfig, TransformerLM
-from lmfs.train import (TrainConfig, accumulate_gradients, activation_checkpointing, estimate_loss,
-                        get_batch, load_checkpoint, make_optimizer, prepare_tokens, restore_rng_state,
-                        rng_state, save_checkpoint, tokenize_to_memmap, train)
+from lmfs.nn import TransformerConfig, TransformerLM, count_params
+from lmfs.train import (TrainConfig, ablate, accumulate_gradients, activation_checkpointing,
+                        check_trained, compare_runs, estimate_loss, get_batch, load_checkpoint,
+                        make_optimizer, plot_runs, prepare_tokens, restore_rng_state, results_table,
+                        rng_state, save_checkpoint, smooth, tokenize_to_memmap, train)
 from lmfs.train.__main__ import main as cli
 
 
@@ -261,6 +267,68 @@ def test_resume_needs_a_path():
               progress=False, resume=True)
 
 
+# ---------------------------------------------------------------- experiments
+
+
+def test_smooth_is_a_trailing_mean():
+    values = [4.0, 2.0, 6.0, 0.0, 8.0]
+    # by hand: [4], [4, 2], [4, 2, 6], [2, 6, 0], [6, 0, 8]
+    np.testing.assert_allclose(smooth(values, 3), [4, 3, 4, 8 / 3, 14 / 3])
+    np.testing.assert_allclose(smooth(values, 1), values)
+    np.testing.assert_allclose(smooth(values, 10), np.cumsum(values) / np.arange(1, 6))  # k > length
+    assert len(smooth(np.ones(100))) == 100  # default window: a 25th of the run
+    np.testing.assert_allclose(smooth(np.arange(100.0))[3:], np.arange(100.0)[3:] - 1.5)  # k = 4
+
+
+def test_ablate_trains_each_variant_from_the_same_start():
+    data = np.tile(np.arange(12, dtype=np.uint16), 300)
+    base = tiny(vocab_size=12, n_layers=1)
+    base_train = TrainConfig(steps=12, batch_size=4, context_length=16, lr=1e-2, warmup_steps=2,
+                             eval_every=6, eval_batches=2)
+    runs = ablate(base, base_train, {"base": {}, "relu, lower lr": dict(ffn="relu", lr=3e-3)}, data,
+                  val_data=data, seed=5, verbose=False)
+    assert list(runs) == ["base", "relu, lower lr"]
+    plain, relu = runs["base"], runs["relu, lower lr"]
+    assert relu.model_config == dataclasses.replace(base, ffn="relu") and relu.train_config.lr == 3e-3
+    assert relu.changes == dict(ffn="relu", lr=3e-3) and plain.model_config == base
+    for run in runs.values():
+        assert run.history.step == list(range(1, 13)) and run.history.val_step == [6, 12]
+        assert run.params == sum(p.numel() for p in run.model.parameters()) == count_params(run.model_config)
+
+    # the base variant is exactly a plain train() from the same seed
+    torch.manual_seed(5)
+    reference = train(TransformerLM(base), data, base_train, val_data=data, progress=False)
+    assert plain.history.loss == reference.loss and plain.history.val_loss == reference.val_loss
+    assert relu.history.loss != plain.history.loss
+
+    both = ablate(base, base_train, {"short context": dict(context_length=8, steps=2)}, data, verbose=False)
+    run = both["short context"]  # a field of both configs changes both
+    assert run.model_config.context_length == run.train_config.context_length == 8
+    with pytest.raises(ValueError, match="'n_layer'.*model fields"):
+        ablate(base, base_train, {"typo": dict(n_layer=3)}, data)
+
+    table = results_table(runs, last=3)
+    assert list(table.index) == ["base", "relu, lower lr"]
+    assert table.loc["relu, lower lr", "change"] == "ffn=relu, lr=0.003" and table.loc["base", "change"] == "—"
+    assert table.loc["base", "final_train_loss"] == pytest.approx(np.mean(plain.history.loss[-3:]))
+    assert table.loc["base", "final_val_loss"] == plain.history.val_loss[-1]
+
+    check_trained(runs, ["base"], drop=0.5)
+    with pytest.raises(AssertionError, match="did not go down by 100"):
+        check_trained(runs, drop=100)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plot_runs(runs, title="two runs")
+    assert ax.get_title() == "two runs" and len(ax.get_legend().get_texts()) == 2
+    assert ax.get_ylim()[1] <= np.log(12) + 0.2 + 1e-9  # cut at a uniform guess over 12 tokens
+    fig = compare_runs(runs, {"both": ["base", "relu, lower lr"], "one": ["base"], "again": ["base"]})
+    assert sum(a.get_visible() for a in fig.axes) == 3 and len(fig.axes) == 4
+    with pytest.raises(KeyError, match="no run named"):
+        plot_runs(runs, ["missing"])
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
@@ -351,3 +419,62 @@ def test_command_line_trains_saves_and_resumes(tmp_path, monkeypatch, capsys):
     assert "val loss" in out and "sample:" in out and (tmp_path / "cli.pt").exists()
     cli(args + ["--resume"])
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_command_line_checkpoint_every_needs_out():
+    with pytest.raises(SystemExit):
+        cli(["--checkpoint-every", "5"])
+
+
+def run_cli(args, tmp_path, log):
+    """Start ``python -m lmfs.train`` in a new process with a single thread and its caches in tmp_path."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1", "LMFS_DEVICE": "cpu"}
+    with open(tmp_path / log, "w") as out:  # the child keeps its own copy of the file descriptor
+        return subprocess.Popen([sys.executable, "-m", "lmfs.train", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+
+
+def final_state(path):
+    ckpt = torch.load(path, weights_only=True)
+    return ckpt["step"], ckpt["extra"]["history"], ckpt["model"]
+
+
+@pytest.mark.slow  # three processes of a few seconds each
+def test_command_line_run_killed_mid_way_resumes_to_the_same_result(tmp_path):
+    steps, every = 400, 25
+    args = ["--mb", "0.04", "--vocab-size", "300", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--steps", str(steps), "--batch-size", "4", "--context", "32", "--device", "cpu",
+            "--checkpoint-every", str(every)]
+    path = tmp_path / "killed.pt"
+    started = []
+    try:
+        started.append(run_cli(args + ["--out", str(tmp_path / "straight.pt")], tmp_path, "straight.log"))
+        assert started[-1].wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
+
+        killed = run_cli(args + ["--out", str(path)], tmp_path, "killed.log")
+        started.append(killed)
+        deadline = time.monotonic() + 300
+        while not path.exists() and killed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        killed.send_signal(signal.SIGKILL)  # no handler, no cleanup: as a preempted job dies
+        assert killed.wait(timeout=60) == -signal.SIGKILL, (tmp_path / "killed.log").read_text()
+        step_at_kill = final_state(path)[0]  # whatever the kill interrupted, the file is whole
+        assert 0 < step_at_kill < steps and step_at_kill % every == 0
+
+        started.append(run_cli(args + ["--out", str(path), "--resume"], tmp_path, "resumed.log"))
+        assert started[-1].wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()
+    finally:
+        for process in started:  # a failed wait must not leave a training process behind
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert f"resumed from {path} at step {step_at_kill}" in (tmp_path / "resumed.log").read_text()
+
+    step_a, history_a, weights_a = final_state(tmp_path / "straight.pt")
+    step_b, history_b, weights_b = final_state(path)
+    assert step_a == step_b == steps
+    assert history_b["step"] == history_a["step"] == list(range(1, steps + 1))
+    np.testing.assert_allclose(history_b["loss"], history_a["loss"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(history_b["val_loss"], history_a["val_loss"], rtol=0, atol=1e-6)
+    for name, tensor in weights_a.items():
+        torch.testing.assert_close(weights_b[name], tensor, rtol=0, atol=1e-6, msg=name)

@@ -13,8 +13,19 @@ import sys
 
 
 def save_json(result: dict, path: str | None) -> None:
-    """Write a benchmark's results to ``path`` as JSON (the ``--json`` option); no-op without one."""
+    """Write a benchmark's results to ``path`` as JSON (the ``--json`` option); no-op without one.
+
+    The file also records when and with what it was measured (``date``, ``torch``, ``python``,
+    unless the result already has them), so a figure read from ``results/`` can be dated.
+    """
     if path:
+        import datetime
+        import platform
+
+        import torch
+
+        stamp = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                 "python": platform.python_version()}
         with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**stamp, **result}, f, indent=1)
         print(f"results written to {path}", file=sys.stderr)

@@ -18,11 +18,12 @@ All timings are medians of :func:`lmfs.bench.timing.benchmark` after warm-up.
 from __future__ import annotations
 
 import argparse
+import datetime
 
 import torch
 
+from lmfs import hardware
 from lmfs.bench import save_json
-from lmfs.bench.roofline import HBM_BANDWIDTH, datasheet
 from lmfs.bench.timing import benchmark
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,18 +80,17 @@ def matmul_rate(n: int, dtype: str = "bf16", device=None, repeats: int = 20) -> 
 
 
 def run(device=None) -> dict:
-    """Measure and print every probe; return the numbers."""
-    from lmfs.accounting import PEAK_FLOPS
-
+    """Measure and print every probe; return the numbers (with the date and the device)."""
     device = _device(device)
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     if not cuda:
         print("on the CPU with small sizes, to exercise the code; real numbers need a CUDA GPU")
-    result = {"device": name, "torch": torch.__version__}
+    result = {"date": datetime.date.today().isoformat(), "device": name, "torch": torch.__version__}
+    chip = hardware.for_device(device)  # datasheet figures; None on a CPU or an unlisted GPU
 
     copy = copy_bandwidth(device=device)
-    sheet_bw = datasheet(HBM_BANDWIDTH, name) if cuda else None
+    sheet_bw = chip.hbm_bandwidth if chip else None
     result.update(copy_bandwidth=copy, datasheet_bandwidth=sheet_bw)
     print(f"copy bandwidth (read + write): {copy / 1e9:,.0f} GB/s"
           + (f" = {copy / sheet_bw:.0%} of the datasheet's {sheet_bw / 1e12:.2f} TB/s" if sheet_bw else ""))
@@ -104,11 +104,10 @@ def run(device=None) -> dict:
 
     n = 8192 if cuda else 512
     print(f"\nmatmul {n}×{n}×{n}:")
-    sheet = datasheet(PEAK_FLOPS, name) if cuda else None
     result["matmul_n"], result["matmul"] = n, {}
     for dtype in (DTYPES if cuda else ("fp32",)):
         rate = matmul_rate(n, dtype, device=device)
-        peak = sheet.get(dtype) if sheet else None
+        peak = chip.flops.get(dtype) if chip else None
         result["matmul"][dtype] = {"flops": rate, "datasheet": peak}
         print(f"  {dtype:>5}: {rate / 1e12:8.1f} TFLOP/s" + (f" = {rate / peak:.0%} of datasheet "
                                                             f"{peak / 1e12:.0f}" if peak else ""))

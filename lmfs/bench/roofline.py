@@ -4,8 +4,13 @@
 arithmetic intensity ``I = F / B``. It can go no faster than the compute peak, nor faster than
 memory can feed it: attainable FLOP/s = min(peak, I · bandwidth). Below the *ridge point*
 ``peak / bandwidth`` a kernel is memory-bound (elementwise ops, softmax, norms: I < 1), above it
-compute-bound (large matmuls). An H100 SXM's ridge is about 990 TFLOP/s / 3.35 TB/s ≈ 300
-FLOPs per byte.
+compute-bound (large matmuls). The datasheet figures are in :mod:`lmfs.hardware`; an H100
+SXM's ridge in bf16:
+
+>>> from lmfs.hardware import gpu
+>>> h100 = gpu("H100")
+>>> round(ridge_point(h100.peak("bf16"), h100.hbm_bandwidth))   # FLOPs per byte
+295
 
 **The matmul mystery.** Matmul throughput against size is not smooth: it dips when a size passes
 a multiple of the tile. A GPU matmul cuts the (M, N) output into tiles of (BM, BN); each tile is
@@ -31,18 +36,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-# HBM bandwidth per GPU in bytes/s, from NVIDIA's datasheets (A100 SXM 80GB, H100 SXM, H200 SXM,
-# HGX B200). Peak FLOP/s per dtype are in lmfs.accounting.PEAK_FLOPS.
-HBM_BANDWIDTH: dict[str, float] = {"A100": 2.039e12, "H100": 3.35e12, "H200": 4.8e12, "B200": 8e12}
-# Streaming multiprocessors (SXM parts).
-SM_COUNT: dict[str, int] = {"A100": 108, "H100": 132, "H200": 132, "B200": 148}
-
-
-def datasheet(table: dict, device_name: str):
-    """The entry of ``table`` whose chip name occurs in ``device_name`` (e.g. "NVIDIA H200"), or None."""
-    return next((value for chip, value in table.items() if chip in device_name), None)
-
 
 def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
     """FLOPs per byte moved to or from memory."""

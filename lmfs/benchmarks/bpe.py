@@ -1,6 +1,6 @@
 """Benchmark lmfs's byte-level BPE against Hugging Face ``tokenizers`` and ``tiktoken``.
 
-    python -m lmfs.benchmarks.bpe [--mb 30] [--vocab-size 10000] [--json out.json]
+    python -m lmfs.benchmarks bpe [--mb 30] [--vocab-size 10000] [--json results/cpu/bpe.json]
 
 Two texts of ``--mb`` MiB each are written to a temporary folder: synthetic stories
 (:func:`lmfs.data.corpora.write_stories`) and the CPython standard library's source
@@ -24,9 +24,11 @@ Two texts of ``--mb`` MiB each are written to a temporary folder: synthetic stor
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pickle
+import platform
 import shutil
 import subprocess
 import sys
@@ -34,30 +36,18 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from lmfs.tokenization import PairIndex
+from lmfs.tokenization.hf import bytes_to_unicode, hf_merges, tiktoken_encoding, train_hf
 
 EOT = "<|endoftext|>"
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's (and HF ByteLevel's) map from each byte to a printable character.
-
-    Printable Latin-1 bytes map to themselves; the other 68 (control bytes, space, ...) are moved
-    to U+0100 and up, in byte order: space becomes "Ġ" (U+0120), newline "Ċ" (U+010A).
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,54 +62,8 @@ def child_train_lmfs(path: str, vocab_size: int, workers: int) -> dict:
     return {"seconds": time.perf_counter() - start, "vocab": vocab, "merges": merges}
 
 
-def train_hf(path: str | os.PathLike, vocab_size: int, special_tokens=(EOT,)):
-    """Train Hugging Face's byte-level BPE the way GPT-2 was trained; return ``(tokenizer, seconds)``.
-
-    BPE model, ``ByteLevel(add_prefix_space=False)`` pre-tokenizer, every byte in the initial
-    alphabet, no progress bar; only the ``train`` call is timed.
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    start = time.perf_counter()
-    tok.train([str(path)], trainer)
-    return tok, time.perf_counter() - start
-
-
-def hf_merges(tok) -> list[tuple[bytes, bytes]]:
-    """A trained HF ByteLevel BPE's merges as pairs of byte strings (undoing its byte->char map)."""
-    to_byte = {ch: b for b, ch in bytes_to_unicode().items()}
-    merges = []
-    for m in json.loads(tok.to_str())["model"]["merges"]:
-        a, b = m.split(" ") if isinstance(m, str) else m
-        merges.append((bytes(to_byte[c] for c in a), bytes(to_byte[c] for c in b)))
-    return merges
-
-
-def tiktoken_encoding(tok):
-    """A ``tiktoken.Encoding`` with the same ranks, pattern and special tokens as an lmfs Tokenizer.
-
-    tiktoken's ranks are token bytes -> id; its BPE merges the lowest-ranked pair first, which is
-    the same as applying our merges in the order they were learned, so both give the same ids.
-    A byte string that training built twice keeps its first id.
-    """
-    import tiktoken
-
-    from lmfs.tokenization import GPT2_PATTERN
-
-    specials = tok.special_ids
-    ranks: dict[bytes, int] = {}
-    for i in sorted(tok.vocab):
-        if i not in specials.values():
-            ranks.setdefault(tok.vocab[i], i)
-    return tiktoken.Encoding("lmfs", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=dict(specials))
-
-
 def child_train_hf(path: str, vocab_size: int) -> dict:
-    tok, seconds = train_hf(path, vocab_size)
+    tok, seconds = train_hf(path, vocab_size, [EOT])
     return {"seconds": seconds, "merges": hf_merges(tok), "vocab_size": tok.get_vocab_size()}
 
 
@@ -168,6 +112,18 @@ def child_stream(tokdir: str, path: str) -> dict:
             "bytes": os.path.getsize(path)}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def run_child(kind: str, workdir: Path, env_extra: dict | None = None, **kwargs) -> dict:
     """Run ``kind`` in a fresh Python process and return what it pickled."""
     out = workdir / f"child-{kind}.pkl"
@@ -183,6 +139,26 @@ def run_child(kind: str, workdir: Path, env_extra: dict | None = None, **kwargs)
 
 # ----------------------------------------------------------------------------------------------
 # Comparisons
+
+
+def learn_merges_with_ties(pretoken_counts: dict[str, int], vocab: dict[int, bytes], n_merges: int,
+                           tie_break: Callable[[tuple[int, int]], Any]) -> list[tuple[bytes, bytes]]:
+    """:func:`lmfs.tokenization.learn_merges` with another tie-break: among equally frequent
+    pairs, the one with the greatest ``tie_break((id_a, id_b))`` is merged. With
+    ``tie_break=lambda p: (vocab[p[0]], vocab[p[1]])`` it is ``learn_merges`` itself."""
+    index = PairIndex([list(token.encode("utf-8")) for token in pretoken_counts],
+                      list(pretoken_counts.values()))
+    merges: list[tuple[bytes, bytes]] = []
+    for _ in range(n_merges):
+        top = index.most_frequent()
+        if not top:
+            break
+        a, b = max(top, key=tie_break)
+        new_id = len(vocab)
+        vocab[new_id] = vocab[a] + vocab[b]
+        merges.append((vocab[a], vocab[b]))
+        index.merge((a, b), new_id)
+    return merges
 
 
 def hf_replay(path: str, vocab_size: int, *, hf_input: bool = True, hf_ties: bool = True
@@ -216,18 +192,18 @@ def hf_replay(path: str, vocab_size: int, *, hf_input: bool = True, hf_ties: boo
     else:
         counts = count_pretokens_in_file(path, [EOT])
     vocab = {i: bytes([i]) for i in range(256)} | {256: EOT.encode()}
-    tie_break = None  # lmfs's: the greatest pair of byte strings
-    if hf_ties:
-        # HF ids: 0 = the special token, 1..256 = bytes ordered by their ByteLevel character,
-        # then merges in order (the same ids as lmfs's from 257 on).
-        char = bytes_to_unicode()
-        hf_id = {b: 1 + rank for rank, b in enumerate(sorted(range(256), key=char.__getitem__))}
-        hf_id[256] = 0
+    if not hf_ties:  # lmfs's rule: the greatest pair of byte strings
+        return learn_merges(counts, vocab, vocab_size - len(vocab))
+    # HF ids: 0 = the special token, 1..256 = bytes ordered by their ByteLevel character,
+    # then merges in order (the same ids as lmfs's from 257 on).
+    char = bytes_to_unicode()
+    hf_id = {b: 1 + rank for rank, b in enumerate(sorted(range(256), key=char.__getitem__))}
+    hf_id[256] = 0
 
-        def tie_break(pair):  # the greatest key wins, so negate: the smallest HF ids win
-            return tuple(-hf_id.get(t, t) for t in pair)
+    def tie_break(pair):  # the greatest key wins, so negate: the smallest HF ids win
+        return tuple(-hf_id.get(t, t) for t in pair)
 
-    return learn_merges(counts, vocab, vocab_size - len(vocab), tie_break=tie_break)
+    return learn_merges_with_ties(counts, vocab, vocab_size - len(vocab), tie_break)
 
 
 def first_difference(a: list, b: list) -> int:
@@ -377,7 +353,13 @@ def main(argv=None) -> dict | None:
     workdir = Path(tempfile.mkdtemp(prefix="lmfs-bench-tok-")) if own_tmp else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     n_bytes = int(args.mb * 2**20)
-    res = {"config": {"mb": args.mb, "vocab_size": args.vocab_size, "workers": args.workers,
+    import tiktoken
+    import tokenizers
+
+    res = {"date": datetime.date.today().isoformat(), "device": cpu_name(),
+           "python": platform.python_version(), "tokenizers": tokenizers.__version__,
+           "tiktoken": tiktoken.__version__,
+           "config": {"mb": args.mb, "vocab_size": args.vocab_size, "workers": args.workers,
                       "repeats": args.repeats, "cpu_count": os.cpu_count()}, "corpora": {}}
     hf_env = {"RAYON_RS_NUM_THREADS": str(args.workers), "RAYON_NUM_THREADS": str(args.workers)}
     try:

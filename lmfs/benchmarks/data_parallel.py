@@ -19,7 +19,7 @@ Every strategy steps ``torch.optim.AdamW`` (fused on GPUs) under bf16 autocast, 
 compiled: a compiled backward hands all gradients over at its end, which would hide how well a
 DDP overlaps its communication). Each rank times its steps with CUDA events after warm-up; the
 slowest rank's median counts. "host ms" is the time Python takes to issue one step (near the
-step time: the step is bound by the host, not the GPU). Memory is what :func:`lmfs.parallel.ddp.memory_report` finds on
+step time: the step is bound by the host, not the GPU). Memory is what :func:`lmfs.parallel.common.memory_report` finds on
 rank 0 after a step, before the gradients are dropped: parameters, gradients and optimizer state
 (sharded ones counted by their local shard), and the allocator's peak during that step.
 
@@ -39,8 +39,9 @@ import torch.distributed as dist
 from lmfs.bench import save_json
 from lmfs.bench.timing import benchmark, profile_table
 from lmfs.benchmarks.train_step import gpt2_small, tiny
-from lmfs.parallel.ddp import DDP, build_model, memory_report
-from lmfs.parallel.launch import device_for, run
+from lmfs.parallel.common import build_model, memory_report
+from lmfs.parallel.ddp import DDP
+from lmfs.parallel.launch import device_for, placement, run
 from lmfs.parallel.zero import FullyShardedModel
 
 STRATEGIES = ("single", "lmfs-ddp", "torch-ddp", "lmfs-fsdp", "torch-fsdp")
@@ -197,7 +198,7 @@ def main(argv=None) -> dict:
     for s in strategies:
         if s not in STRATEGIES:
             parser.error(f"unknown strategy {s!r}: use {', '.join(STRATEGIES)}")
-    on_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size
+    on_gpus = placement(args.world_size).backend == "nccl"
     batch = args.batch_size or (16 if on_gpus else 2)
     steps, warmup = (args.steps, 5) if on_gpus else (min(args.steps, 3), 1)
     if not on_gpus:

@@ -28,19 +28,20 @@ numbers say nothing about real hardware.
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
+import triton  # after lmfs itself, which picks Triton's interpreter on a machine without a GPU
 
 from lmfs.bench import save_json
 from lmfs.bench.probes import copy_bandwidth
 from lmfs.bench.timing import benchmark
 from lmfs.kernels import INTERPRET, cuda_toolchain_problem, flash_attention, gelu, gelu_cuda, gelu_torch
 from lmfs.kernels import rms_norm, softmax
-from lmfs.kernels._triton import triton
 from lmfs.kernels.flash_attention import BACKWARDS, DEFAULT_BACKWARD, autotune_choices
 from lmfs.kernels.rmsnorm import backward_choice as rmsnorm_backward_choice
 from lmfs.nn.attention import attention_reference, causal_mask
@@ -51,8 +52,10 @@ CPU_NOTE = ("no CUDA GPU: tiny sizes through Triton's interpreter, to exercise t
 
 
 def _device_info(device: torch.device) -> dict:
+    """Where and when a run happened: what ``results/`` files need to be quoted with a date."""
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "interpreter": INTERPRET}
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
+            "interpreter": INTERPRET}
 
 
 def _fwd_fwdbwd(fn, inputs, grad_out, device, warmup: int, repeats: int, backward: bool = True):

@@ -9,26 +9,36 @@
 :func:`flash_attention`    FlashAttention-2: forward with saved log-sum-exp, backward by
                            recomputation, causal block skipping, autotuned on a GPU
 :func:`flash_attention_torch`  the same algorithm in readable PyTorch loops
+:class:`FlashAttentionTriton`  the autograd Functions of the two, ``apply(q, k, v, is_causal)``;
+:class:`FlashAttentionTorch`   both save O and the log-sum-exp (natural-log units)
 :func:`online_softmax`     softmax one block of columns at a time (FlashAttention's trick)
 :func:`rope_qkv`           heads of a fused q/k/v projection with RoPE on q and k, the
                            backward writing one fused gradient (:mod:`lmfs.kernels.fused`)
 :func:`swiglu`             ``silu(gate)·up`` on a fused gate/up projection, likewise
 :func:`cross_entropy_rows` loss and logit gradient of a chunk of rows in one pass
+:func:`linear_cross_entropy`  the head and its loss chunk by chunk, never keeping the logits
+                           (:mod:`lmfs.kernels.loss`)
+:func:`fuse_model`         a built ``TransformerLM`` made faster in place: fused projections,
+                           the kernels above, the chunked loss (:mod:`lmfs.kernels.fused`)
 =========================  ==========================================================
 
 Without a CUDA GPU, importing this package switches Triton to its interpreter (``INTERPRET`` is
 then true): the same kernels run on the CPU, slowly, which is enough to check them at small
-sizes. Benchmarks: ``python -m lmfs.benchmarks kernels`` and ``python -m lmfs.benchmarks attention``.
+sizes. The kernel modules keep their Triton kernels public (``lmfs.kernels.gelu.gelu_fwd_kernel``,
+...) for lecture 06 to show. Benchmarks: ``python -m lmfs.benchmarks kernels`` and
+``python -m lmfs.benchmarks attention``.
 """
 
 from lmfs.kernels._triton import INTERPRET
-from lmfs.kernels.flash_attention import (HEAD_DIMS, flash_attention, flash_attention_forward,
-                                          flash_attention_torch, online_softmax)
-from lmfs.kernels.fused import cross_entropy_rows, rope_qkv, swiglu
+from lmfs.kernels.flash_attention import (HEAD_DIMS, FlashAttentionTorch, FlashAttentionTriton, flash_attention,
+                                          flash_attention_forward, flash_attention_torch, online_softmax)
+from lmfs.kernels.fused import fuse_model, rope_qkv, swiglu
 from lmfs.kernels.gelu import cuda_toolchain_problem, gelu, gelu_cuda, gelu_torch
+from lmfs.kernels.loss import cross_entropy_rows, linear_cross_entropy
 from lmfs.kernels.rmsnorm import rms_norm
 from lmfs.kernels.softmax import softmax
 
-__all__ = ["INTERPRET", "HEAD_DIMS", "cross_entropy_rows", "cuda_toolchain_problem", "flash_attention",
-           "flash_attention_forward", "flash_attention_torch", "gelu", "gelu_cuda", "gelu_torch", "online_softmax",
-           "rms_norm", "rope_qkv", "softmax", "swiglu"]
+__all__ = ["INTERPRET", "HEAD_DIMS", "FlashAttentionTorch", "FlashAttentionTriton",
+           "cross_entropy_rows", "cuda_toolchain_problem", "flash_attention",
+           "flash_attention_forward", "flash_attention_torch", "fuse_model", "gelu", "gelu_cuda", "gelu_torch",
+           "linear_cross_entropy", "online_softmax", "rms_norm", "rope_qkv", "softmax", "swiglu"]

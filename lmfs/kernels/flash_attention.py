@@ -34,7 +34,9 @@ are needed, at the price of computing ``S`` and ``dP`` twice (seven matmuls per 
 ``dQ`` into a float32 buffer with atomic additions (five matmuls, not bit-for-bit reproducible).
 
 Two implementations: :func:`flash_attention` (Triton, autotuned block sizes on a GPU) and
-:func:`flash_attention_torch` (the same algorithm in readable PyTorch loops, any device).
+:func:`flash_attention_torch` (the same algorithm in readable PyTorch loops, any device). Their
+autograd Functions are public, :class:`FlashAttentionTriton` and :class:`FlashAttentionTorch`:
+both take ``(q, k, v, is_causal)`` and save O and the log-sum-exp ``L`` in natural-log units.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, conf
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two (tl.arange needs them); ≥ 16 for the tensor cores
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x·log2 e), and exp2 is the faster instruction
+LN2 = tl.constexpr(0.6931471805599453)  # log x = log2 x · ln 2
 
 
 def online_softmax(x: torch.Tensor, block_size: int = 4) -> torch.Tensor:
@@ -85,7 +88,7 @@ def _check_shapes(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 # The readable version: tiles and online softmax in PyTorch loops, fp32 arithmetic.
 
 
-def _tiled_forward(q, k, v, causal: bool, scale: float, bs: int):
+def tiled_forward(q, k, v, causal: bool, scale: float, bs: int):
     """``(O, L)`` one (query block, key block) pair at a time; L is the log-sum-exp per row."""
     T = q.shape[2]
     o = torch.empty_like(q)
@@ -114,7 +117,7 @@ def _tiled_forward(q, k, v, causal: bool, scale: float, bs: int):
     return o, lse
 
 
-def _tiled_backward(q, k, v, o, lse, do, causal: bool, scale: float, bs: int):
+def tiled_backward(q, k, v, o, lse, do, causal: bool, scale: float, bs: int):
     """``(dQ, dK, dV)`` by recomputing ``P = exp(S − L)`` block by block."""
     T = q.shape[2]
     delta = (do.float() * o.float()).sum(dim=-1)  # Δ_i = Σ_d dO_id·O_id = Σ_j P_ij·dP_ij
@@ -137,18 +140,29 @@ def _tiled_backward(q, k, v, o, lse, do, causal: bool, scale: float, bs: int):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _FlashAttentionTorch(torch.autograd.Function):
+class FlashAttentionTorch(torch.autograd.Function):
+    """FlashAttention in PyTorch loops as an autograd Function:
+    ``FlashAttentionTorch.apply(q, k, v, is_causal[, sm_scale[, block_size]])`` (``apply`` takes
+    positional arguments only; :func:`flash_attention_torch` is the same with keywords).
+
+    ``q, k, v``: ``(B, H, T, D)``. The forward saves ``O`` and the ``(B, H, T)`` fp32
+    log-sum-exp ``L = log Σ_j exp(S_ij)`` of each row's scaled scores, in natural-log units;
+    the backward recomputes ``P = exp(S − L)`` from them, block by block.
+    """
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_size):
-        o, lse = _tiled_forward(q, k, v, causal, scale, block_size)
+    def forward(ctx, q, k, v, is_causal=False, sm_scale=None, block_size=64):
+        _check_shapes("flash_attention_torch", q, k, v)
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        o, lse = tiled_forward(q, k, v, is_causal, scale, block_size)
         ctx.save_for_backward(q, k, v, o, lse)  # O and L, not the T×T probabilities
-        ctx.causal, ctx.scale, ctx.block_size = causal, scale, block_size
+        ctx.causal, ctx.scale, ctx.block_size = is_causal, scale, block_size
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return (*_tiled_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.block_size), None, None, None)
+        return (*tiled_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.block_size), None, None, None)
 
 
 def flash_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -159,17 +173,17 @@ def flash_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     the backward recomputes the probabilities from the saved log-sum-exp, block by block.
     Same result as ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)``.
     """
-    _check_shapes("flash_attention_torch", q, k, v)
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttentionTorch.apply(q, k, v, causal, scale, block_size)
+    return FlashAttentionTorch.apply(q, k, v, causal, sm_scale, block_size)
 
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels. Every (batch, head) is a contiguous (T, D) matrix, so its row r, column d sits
 # at offset head·T·D + r·D + d. Exponentials are exp2: with c = scale·log2 e, exp(scale·s − m) =
 # 2^(c·s − m') where m' is the maximum in log2 units, and c·s − m' is one fused multiply-add per
-# score. The forward saves the log-sum-exp in those log2 units too (L₂ = L·log2 e), so the
-# backward recomputes P = 2^(c·s − L₂) with one multiply-add as well.
+# score. The forward ends with the log-sum-exp in those log2 units (L₂ = m' + log2 l) and stores
+# it in natural-log units (L = L₂·ln 2, one multiply per row), the units of torch.logsumexp; the
+# backward converts each row's L back (L₂ = L·log2 e) as it loads it, so it recomputes
+# P = 2^(c·s − L₂) with one multiply-add per score as well.
 #
 # Three kinds of key/value (or query) ranges, so that masks cost only where they are needed:
 # blocks every row sees in full (no mask), the blocks on the causal diagonal (a causal mask), and,
@@ -177,14 +191,15 @@ def flash_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
 # block that may run past the end of the sequence are masked (zeros come back); that costs one
 # comparison per row and is kept wherever a block can be partial.
 #
-# ``do_not_specialize=["T"]``: Triton would otherwise compile a separate kernel for lengths that
-# are multiples of 16 and for those that are not (T = 1000 and T = 1024), every autotuning
-# candidate twice. Nothing here needs it: rows start at multiples of HEAD_DIM ≥ 16 elements, so
-# the loads stay aligned and vectorised whatever T is.
+# ``do_not_specialize=["T", ...]``: Triton would otherwise compile a separate kernel for lengths
+# that are multiples of 16 and for those that are not (T = 1000 and T = 1024), every autotuning
+# candidate twice (likewise for N_CANDIDATES, which only the autotuner reads). Nothing here needs
+# it: rows start at multiples of HEAD_DIM ≥ 16 elements, so the loads stay aligned and vectorised
+# whatever T is.
 
 
 @triton.jit
-def _online_update(acc, l_i, m_i, s, v, offs_m, offs_n, T, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+def online_update(acc, l_i, m_i, s, v, offs_m, offs_n, T, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    PRECISION: tl.constexpr):
     """One key/value block's share for one query tile, given its raw scores ``s = q·kᵀ``: the new
     running maximum and sum, and the accumulator rescaled and increased by ``P·V``."""
@@ -207,7 +222,7 @@ def _online_update(acc, l_i, m_i, s, v, offs_m, offs_n, T, qk_scale, MASKED: tl.
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, offs_m, acc1, l1, m1, q1, offs_m1, k_ptr, v_ptr, offs_d, lo, hi, T, qk_scale,
+def fwd_inner(acc, l_i, m_i, q, offs_m, acc1, l1, m1, q1, offs_m1, k_ptr, v_ptr, offs_d, lo, hi, T, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
     """Stream the key/value blocks in [lo, hi) past one query block (online softmax).
@@ -236,9 +251,9 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, acc1, l1, m1, q1, offs_m1, k_ptr, v_ptr
             v = tl.load(v_ptrs)
         if UPCAST:
             v = v.to(tl.float32)
-        acc, l_i, m_i = _online_update(acc, l_i, m_i, s, v, offs_m, offs_n, T, qk_scale, MASKED, CAUSAL, PRECISION)
+        acc, l_i, m_i = online_update(acc, l_i, m_i, s, v, offs_m, offs_n, T, qk_scale, MASKED, CAUSAL, PRECISION)
         if SPLIT == 2:
-            acc1, l1, m1 = _online_update(acc1, l1, m1, s1, v, offs_m1, offs_n, T, qk_scale, MASKED, CAUSAL,
+            acc1, l1, m1 = online_update(acc1, l1, m1, s1, v, offs_m1, offs_n, T, qk_scale, MASKED, CAUSAL,
                                           PRECISION)
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * HEAD_DIM
@@ -261,19 +276,20 @@ def _fwd_load_tile(q_ptr, offs_m, offs_d, T, UPCAST: tl.constexpr, HEAD_DIM: tl.
 @triton.jit
 def _fwd_store_tile(acc, l_i, m_i, O, LSE, row0, offs_m, offs_d, T, HEAD_DIM: tl.constexpr):
     """Normalise once at the end (one reciprocal per row, then multiplications) and store the
-    tile's output and log-sum-exp (log2 units: L₂ = L·log2 e)."""
+    tile's output and log-sum-exp (natural-log units: L = L₂·ln 2)."""
     row_ok = offs_m < T  # the last query block may hang over the end of the sequence
     acc = acc * (1.0 / l_i)[:, None]
     tl.store(O + row0 * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + row0 + offs_m, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(LSE + row0 + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _attn_fwd(Q, K, V, O, LSE, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              SPLIT: tl.constexpr):
-    # T_BUCKET and ROWS_BUCKET are not used here: they are the autotuner's key (see _tune_keys).
+@triton.jit(do_not_specialize=["T", "N_CANDIDATES"])
+def attn_fwd(Q, K, V, O, LSE, T, T_BUCKET, ROWS_BUCKET, N_CANDIDATES, sm_scale, HEAD_DIM: tl.constexpr,
+             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # T_BUCKET, ROWS_BUCKET and N_CANDIDATES are not used here: they are the autotuner's key (see
+    # _tune_keys and _pruner).
     ROWS: tl.constexpr = BLOCK_M // SPLIT  # rows per query tile
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks have the most key blocks to see: start them first
@@ -287,7 +303,7 @@ def _attn_fwd(Q, K, V, O, LSE, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.
     if SPLIT == 2:
         offs_m1 = offs_m + ROWS
         q1, m1, l1, acc1 = _fwd_load_tile(q_ptr, offs_m1, offs_d, T, UPCAST, HEAD_DIM, ROWS)
-    else:  # placeholders that _fwd_inner passes through untouched
+    else:  # placeholders that fwd_inner passes through untouched
         offs_m1, q1, m1, l1, acc1 = offs_m, q, m_i, l_i, acc
     qk_scale = sm_scale * LOG2E
     # Causal: key blocks before the query block (all visible), then the diagonal (BLOCK_M is a
@@ -297,10 +313,10 @@ def _attn_fwd(Q, K, V, O, LSE, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.
         lo, mid, hi = 0, start_m, tl.minimum(start_m + BLOCK_M, T)
     else:
         lo, mid, hi = 0, (T // BLOCK_N) * BLOCK_N, T
-    acc, l_i, m_i, acc1, l1, m1 = _fwd_inner(acc, l_i, m_i, q, offs_m, acc1, l1, m1, q1, offs_m1, k_ptr, v_ptr,
+    acc, l_i, m_i, acc1, l1, m1 = fwd_inner(acc, l_i, m_i, q, offs_m, acc1, l1, m1, q1, offs_m1, k_ptr, v_ptr,
                                              offs_d, lo, mid, T, qk_scale, False, CAUSAL, UPCAST, PRECISION,
                                              BLOCK_N, HEAD_DIM, SPLIT)
-    acc, l_i, m_i, acc1, l1, m1 = _fwd_inner(acc, l_i, m_i, q, offs_m, acc1, l1, m1, q1, offs_m1, k_ptr, v_ptr,
+    acc, l_i, m_i, acc1, l1, m1 = fwd_inner(acc, l_i, m_i, q, offs_m, acc1, l1, m1, q1, offs_m1, k_ptr, v_ptr,
                                              offs_d, mid, hi, T, qk_scale, True, CAUSAL, UPCAST, PRECISION,
                                              BLOCK_N, HEAD_DIM, SPLIT)
     _fwd_store_tile(acc, l_i, m_i, O, LSE, row0, offs_m, offs_d, T, HEAD_DIM)
@@ -320,7 +336,7 @@ def _attn_bwd_delta(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, offs_n, offs_d, lo, hi, T, qk_scale,
+def dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, offs_n, offs_d, lo, hi, T, qk_scale,
                 MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Stream the query blocks in [lo, hi) past one key block, accumulating its dK and dV.
@@ -333,7 +349,7 @@ def _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, offs_n, offs_d,
     for start_m in range(lo, hi, BLOCK_M):
         row_ok = offs_m < T
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * LOG2E  # L₂, log2 units
         if UPCAST:
             q = q.to(tl.float32)
         # Transposed scores (keys × queries), so dV and dK come out without further transposes.
@@ -368,9 +384,9 @@ def _load_block_pair(A, B, row0, offs, offs_d, T, UPCAST: tl.constexpr, HEAD_DIM
     return a, b, offsets, ok
 
 
-@triton.jit(do_not_specialize=["T"])
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.constexpr,
-                   CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "N_CANDIDATES"])
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, T_BUCKET, ROWS_BUCKET, N_CANDIDATES, sm_scale,
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N  # this program's key block (causal: the first ones have the most work)
     row0 = tl.program_id(1).to(tl.int64) * T
@@ -382,13 +398,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, T_BUCKET, ROWS_BUCKET, sm
     q_ptr, do_ptr = Q + row0 * HEAD_DIM, DO + row0 * HEAD_DIM
     qk_scale = sm_scale * LOG2E
     if CAUSAL:  # query blocks before this key block never see it: start at the diagonal
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, offs_n, offs_d,
+        dk, dv = dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, offs_n, offs_d,
                              start_n, tl.minimum(start_n + BLOCK_N, T), T, qk_scale,
                              True, UPCAST, PRECISION, BLOCK_M, HEAD_DIM)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, offs_n, offs_d,
+        dk, dv = dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, offs_n, offs_d,
                              start_n + BLOCK_N, T, T, qk_scale, False, UPCAST, PRECISION, BLOCK_M, HEAD_DIM)
     else:
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, offs_n, offs_d,
+        dk, dv = dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + row0, DELTA + row0, offs_n, offs_d,
                              0, T, T, qk_scale, False, UPCAST, PRECISION, BLOCK_M, HEAD_DIM)
     dk = dk * sm_scale  # S = Q·Kᵀ·scale, so dK = dSᵀ·Q·scale
     tl.store(DK + kv_offsets, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -396,7 +412,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, T, T_BUCKET, ROWS_BUCKET, sm
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, lo, hi, T, qk_scale,
+def dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, lo, hi, T, qk_scale,
               MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Stream the key blocks in [lo, hi) past one query block, accumulating its dQ.
@@ -425,9 +441,9 @@ def _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, lo, hi, T, qk
     return dq
 
 
-@triton.jit(do_not_specialize=["T"])
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, T_BUCKET, ROWS_BUCKET, sm_scale, HEAD_DIM: tl.constexpr,
-                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "N_CANDIDATES"])
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, T_BUCKET, ROWS_BUCKET, N_CANDIDATES, sm_scale,
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # as in the forward: the last query blocks have the most work, start them first
@@ -437,18 +453,18 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, T, T_BUCKET, ROWS_BUCKET, sm_scale
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q, do, q_offsets, row_ok = _load_block_pair(Q, DO, row0, offs_m, offs_d, T, UPCAST, HEAD_DIM)
-    lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0) * LOG2E  # L₂, log2 units
     delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_ptr, v_ptr = K + row0 * HEAD_DIM, V + row0 * HEAD_DIM
     qk_scale = sm_scale * LOG2E
     if CAUSAL:  # key blocks before the query block, then the diagonal ones
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, 0, start_m, T, qk_scale,
+        dq = dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, 0, start_m, T, qk_scale,
                        False, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, start_m,
+        dq = dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, start_m,
                        tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, 0, T, T, qk_scale,
+        dq = dq_inner(dq, q, do, lse, delta, k_ptr, v_ptr, offs_m, offs_d, 0, T, T, qk_scale,
                        False, UPCAST, PRECISION, BLOCK_N, HEAD_DIM)
     dq = dq * sm_scale
     tl.store(DQ + q_offsets, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -466,7 +482,7 @@ def _atomic_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, offs_
         row_ok = offs_m < T
         q_offsets = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0) * LOG2E  # L₂, log2 units
         if UPCAST:
             q = q.to(tl.float32)
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
@@ -487,8 +503,8 @@ def _atomic_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, offs_
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T"])
-def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCKET, sm_scale,
+@triton.jit(do_not_specialize=["T", "N_CANDIDATES"])
+def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCKET, N_CANDIDATES, sm_scale,
                      HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """FA-2's single backward kernel: one program per key block computes its dK and dV and adds
@@ -531,9 +547,10 @@ def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCK
 # Block sizes. On a GPU, triton.autotune times the candidates on the first call for every new key:
 # head dim, causal flag and dtype (which fix the compiled kernel), plus the sequence length and the
 # total number of rows, each rounded up to a power of two (so T = 1000 and T = 1024 share a choice,
-# and a tiny check does not pick the blocks for a big batch). A pruning function keeps only the
-# candidates meant for the head dim and dtype at hand, and only those whose tiles fit in shared
-# memory, so each kernel compiles and times at most seven.
+# and a tiny check does not pick the blocks for a big batch), and the number of candidates asked for
+# (``autotune_candidates``). A pruning function keeps only the candidates meant for the head dim and
+# dtype at hand, only those whose tiles fit in shared memory, and of those the first
+# ``autotune_candidates``, so each kernel compiles and times at most seven.
 #
 # Tiling rules: the forward and dQ kernels need BLOCK_M to be a multiple of BLOCK_N, the dK/dV
 # kernels the reverse, so that the diagonal of a causal mask covers whole blocks.
@@ -543,20 +560,20 @@ def _attn_bwd_atomic(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, T, T_BUCKET, ROWS_BUCK
 # blocks, a partial one, and every loop of each kernel.
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per group: head dim 128, 64, ≤ 32 (16-bit), float32,
-# the likeliest winners first (see AUTOTUNE_CANDIDATES): the first entries are what the autotuner
-# chose on an H200 (triton 3.6, bf16, T = 1k-16k, 2026-11-30; the README's attention table). On
-# Hopper a warp group (4 warps) issues one 64-row tensor-core instruction (wgmma), so 128-row
-# tiles take 8 warps at D = 128 (the accumulator alone is 64 fp32 registers a thread) and 4 or 8
-# at D = 64; stages = how many K/V tiles the software pipeline keeps in flight. The backward kernels hold two fp32 accumulators
-# (dK and dV, or dQ) plus a score tile and its gradient, so their streamed blocks are smaller (32
-# or 64 rows) where the accumulators are large.
+# the likeliest winners first (``autotune_candidates=n`` tries the first n): the first entries are
+# what the autotuner chose on an H200 (triton 3.6, bf16, T = 1k-16k, 2026-11-30). On Hopper a
+# warp group (4 warps) issues one 64-row tensor-core instruction (wgmma), so 128-row tiles take 8
+# warps at D = 128 (the accumulator alone is 64 fp32 registers a thread) and 4 or 8 at D = 64;
+# stages = how many K/V tiles the software pipeline keeps in flight. The backward kernels hold two
+# fp32 accumulators (dK and dV, or dQ) plus a score tile and its gradient, so their streamed
+# blocks are smaller (32 or 64 rows) where the accumulators are large.
 #
 # The forward's rows carry a fifth number, SPLIT: with 2, a program's query block is two tiles of
 # BLOCK_M / 2 rows that share each K/V block, and both tiles' score matmuls are issued before
 # either softmax. The tensor cores run asynchronously, so the second tile's Q·Kᵀ can proceed while
 # the first tile's exponentials run: a software version of FlashAttention-3's overlap of softmax
 # and matmuls. On the H200 it paid at D = 128 (256-row blocks, 5-11% faster at T ≥ 1k) and not at
-# D = 64, where the exponentials are cheap next to the memory traffic.
+# D = 64, where the exponentials are cheap next to the memory traffic (docs/performance.md).
 _FWD_CONFIGS = {
     128: [(256, 64, 8, 3, 2), (128, 64, 8, 3, 1), (128, 128, 8, 2, 1), (128, 64, 8, 4, 1), (256, 64, 8, 2, 2),
           (256, 128, 8, 2, 2), (64, 64, 4, 3, 1)],
@@ -578,10 +595,16 @@ _DQ_CONFIGS = {
     "fp32": [(64, 32, 4, 2)],
 }
 
-#: How many candidates of each list the autotuner tries (the first ones that fit); ``None``: all.
-#: Every candidate is compiled once per head dim, dtype and causal flag (about a second each), so
-#: a notebook with a time budget may lower it; ``python -m lmfs.benchmarks attention`` tries them all.
-AUTOTUNE_CANDIDATES: int | None = None
+def _n_candidates(fn: str, autotune_candidates: int | None) -> int:
+    """The kernels' ``N_CANDIDATES`` argument: how many candidates of each list the autotuner tries
+    (the first ones that fit), 0 for all of them. Every candidate is compiled once per head dim,
+    dtype and causal flag (about a second each), so a notebook with a time budget asks for few."""
+    if autotune_candidates is None:
+        return 0
+    if isinstance(autotune_candidates, bool) or not isinstance(autotune_candidates, int) or autotune_candidates < 1:
+        raise ValueError(f"{fn}: autotune_candidates must be a positive int (try the first n block-size "
+                         f"candidates) or None (try them all), got {autotune_candidates!r}")
+    return autotune_candidates
 
 
 def _tune_group(head_dim: int, dtype: torch.dtype):
@@ -616,7 +639,7 @@ def _pruner(kernel: str, table: dict):
         limit = shared_memory_limit()
         wanted = [row for row in table[_tune_group(head_dim, dtype)]
                   if _smem_bytes(kernel, row[0], row[1], row[3], head_dim, dtype.itemsize) <= limit]
-        wanted = wanted[:AUTOTUNE_CANDIDATES]
+        wanted = wanted[:args["N_CANDIDATES"] or None]
         by_row = {(*c.kwargs.values(), c.num_warps, c.num_stages): c for c in configs}
         kept = [by_row[(*_config(row).kwargs.values(), row[2], row[3])] for row in wanted]
         return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
@@ -627,19 +650,19 @@ def _pruner(kernel: str, table: dict):
 def _autotuned(kernel_fn, kernel: str, table: dict, reset_to_zero=None, do_bench=autotune_bench):
     """``kernel_fn`` autotuned over every row of ``table`` (pruned per call by :func:`_pruner`)."""
     configs = [_config(row) for row in sorted({row for group in table.values() for row in group})]
-    return triton.autotune(configs, key=["T_BUCKET", "ROWS_BUCKET", "HEAD_DIM", "CAUSAL"],
+    return triton.autotune(configs, key=["T_BUCKET", "ROWS_BUCKET", "N_CANDIDATES", "HEAD_DIM", "CAUSAL"],
                            prune_configs_by={"early_config_prune": _pruner(kernel, table)},
                            reset_to_zero=reset_to_zero, do_bench=do_bench)(kernel_fn)
 
 
 if INTERPRET:
-    _fwd, _dq, _dkdv, _atomic = _attn_fwd, _attn_bwd_dq, _attn_bwd_dkdv, _attn_bwd_atomic
+    _fwd, _dq, _dkdv, _atomic = attn_fwd, _attn_bwd_dq, _attn_bwd_dkdv, _attn_bwd_atomic
     # The forward as two tiles of 32 rows (SPLIT = 2; the autotuned test runs SPLIT = 1 here too).
     _FWD_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 32, "SPLIT": 2}
     _DQ_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 32}
     _DKDV_BLOCKS = _ATOMIC_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64}
 else:
-    _fwd = _autotuned(_attn_fwd, "fwd", _FWD_CONFIGS)
+    _fwd = _autotuned(attn_fwd, "fwd", _FWD_CONFIGS)
     _dkdv = _autotuned(_attn_bwd_dkdv, "dkdv", _DKDV_CONFIGS)
     _dq = _autotuned(_attn_bwd_dq, "dq", _DQ_CONFIGS)
     _atomic = _autotuned(_attn_bwd_atomic, "atomic", _DKDV_CONFIGS, reset_to_zero=["DQ"])
@@ -687,24 +710,24 @@ def _check_inputs(fn: str, q, k, v) -> None:
                          f"sm_scale=1/sqrt(original head_dim)) or use F.scaled_dot_product_attention")
 
 
-def _flash_forward(q, k, v, causal: bool, scale: float):
-    """``(O, L₂)`` with the log-sum-exp in log2 units; ``scale`` ≥ 0 (see :func:`_signed`)."""
+def _flash_forward(q, k, v, causal: bool, scale: float, candidates: int):
+    """``(O, L)`` with the log-sum-exp in natural-log units; ``scale`` ≥ 0 (see :func:`_signed`)."""
     B, H, T, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd[grid](q, k, v, o, lse, T, *_tune_keys(B, H, T), scale, HEAD_DIM=D, CAUSAL=causal, UPCAST=INTERPRET,
-               PRECISION=_precision(q.dtype), **_FWD_BLOCKS)
+    _fwd[grid](q, k, v, o, lse, T, *_tune_keys(B, H, T), candidates, scale, HEAD_DIM=D, CAUSAL=causal,
+               UPCAST=INTERPRET, PRECISION=_precision(q.dtype), **_FWD_BLOCKS)
     return o, lse
 
 
-def _flash_backward(q, k, v, o, lse, do, causal: bool, scale: float, backward: str):
+def _flash_backward(q, k, v, o, lse, do, causal: bool, scale: float, backward: str, candidates: int):
     B, H, T, D = q.shape
     delta = torch.empty_like(lse)
     _attn_bwd_delta[(triton.cdiv(B * H * T, 64),)](o, do, delta, B * H * T, HEAD_DIM=D, BLOCK_M=64)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     common = dict(HEAD_DIM=D, CAUSAL=causal, UPCAST=INTERPRET, PRECISION=_precision(q.dtype))
-    keys = _tune_keys(B, H, T)
+    keys = (*_tune_keys(B, H, T), candidates)
     by_key_block = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)  # noqa: E731
     if backward == "atomic":
         dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # the atomics add into it
@@ -723,25 +746,44 @@ def _signed(k: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     return (-k, -scale) if scale < 0 else (k, scale)
 
 
-class _FlashAttention(torch.autograd.Function):
+class FlashAttentionTriton(torch.autograd.Function):
+    """The Triton kernels as an autograd Function:
+    ``FlashAttentionTriton.apply(q, k, v, is_causal[, sm_scale[, backward[, autotune_candidates]]])``
+    (``apply`` takes positional arguments only; :func:`flash_attention` is the same with keywords
+    and explains them).
+
+    The forward saves ``O`` and the ``(B, H, T)`` fp32 log-sum-exp ``L = log Σ_j exp(S_ij)`` of
+    each row's scaled scores, in natural-log units (the kernels compute in log2 units and convert
+    on the way out and back in); the backward kernels recompute ``P = exp(S − L)`` from them.
+    """
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backward):
+    def forward(ctx, q, k, v, is_causal=False, sm_scale=None, backward=DEFAULT_BACKWARD, autotune_candidates=None):
+        _check_inputs("flash_attention", q, k, v)
+        if backward not in BACKWARDS:
+            raise ValueError(f"flash_attention: backward must be one of {', '.join(map(repr, BACKWARDS))}, "
+                             f"got {backward!r}")
+        candidates = _n_candidates("flash_attention", autotune_candidates)
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         k_used, scale_used = _signed(k, scale)
-        o, lse = _flash_forward(q, k_used, v, causal, scale_used)
+        o, lse = _flash_forward(q, k_used, v, is_causal, scale_used, candidates)
         ctx.save_for_backward(q, k_used, v, o, lse)  # O and L, not the T×T probabilities
-        ctx.causal, ctx.scale, ctx.backward, ctx.negated = causal, scale_used, backward, k_used is not k
+        ctx.causal, ctx.scale, ctx.backward, ctx.negated = is_causal, scale_used, backward, k_used is not k
+        ctx.candidates = candidates
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_backward(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale, ctx.backward)
-        return dq, (-dk if ctx.negated else dk), dv, None, None, None
+        dq, dk, dv = _flash_backward(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.scale, ctx.backward,
+                                     ctx.candidates)
+        return dq, (-dk if ctx.negated else dk), dv, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    sm_scale: float | None = None, backward: str = DEFAULT_BACKWARD) -> torch.Tensor:
+                    sm_scale: float | None = None, backward: str = DEFAULT_BACKWARD,
+                    autotune_candidates: int | None = None) -> torch.Tensor:
     """FlashAttention-2 in Triton: ``softmax(Q·Kᵀ·sm_scale [+ causal mask])·V``, differentiable.
 
     ``q, k, v``: ``(B, H, T, D)`` with one shape, on a CUDA GPU (or the CPU under Triton's
@@ -750,21 +792,21 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)``. ``backward`` picks the
     gradient kernels: ``"split"`` (dK/dV and dQ in two kernels, reproducible) or ``"atomic"``
     (one kernel, dQ by float32 atomic additions: fewer matmuls, not bit-for-bit reproducible).
+    ``autotune_candidates``: on a GPU, how many block-size candidates per kernel the autotuner
+    compiles and times, the likeliest first (``None``: all, up to seven); fewer make the first
+    call of a new shape faster. The interpreter uses fixed blocks and ignores it.
     """
-    _check_inputs("flash_attention", q, k, v)
-    if backward not in BACKWARDS:
-        raise ValueError(f"flash_attention: backward must be one of {', '.join(map(repr, BACKWARDS))}, "
-                         f"got {backward!r}")
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, causal, scale, backward)
+    return FlashAttentionTriton.apply(q, k, v, causal, sm_scale, backward, autotune_candidates)
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                            sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            sm_scale: float | None = None,
+                            autotune_candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel alone, no autograd: ``(O, L)``, where ``L`` is the ``(B, H, T)`` fp32
-    log-sum-exp of each row's scaled scores, the one number per row the backward keeps."""
-    _check_inputs("flash_attention", q, k, v)
+    log-sum-exp of each row's scaled scores (natural-log units, as ``torch.logsumexp``), the one
+    number per row the backward keeps."""
+    _check_inputs("flash_attention_forward", q, k, v)
+    candidates = _n_candidates("flash_attention_forward", autotune_candidates)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     k_used, scale_used = _signed(k.contiguous(), scale)
-    o, lse2 = _flash_forward(q.contiguous(), k_used, v.contiguous(), causal, scale_used)
-    return o, lse2 * math.log(2.0)  # the kernel keeps it in log2 units
+    return _flash_forward(q.contiguous(), k_used, v.contiguous(), causal, scale_used, candidates)

@@ -1,7 +1,26 @@
-"""Triton kernels for the parts of a training step that ``torch.compile`` leaves slow.
+"""Opt-in speed for a built :class:`lmfs.nn.TransformerLM`: the same function, computed faster.
 
-Three memory-bound steps of :class:`lmfs.nn.TransformerLM`, each written so that every byte
-crosses memory once, forward and backward:
+``lmfs.nn`` is the model as taught, one matmul per projection and the loss from the logits.
+:func:`fuse_model` changes how a built model computes, not what (same parameters, same state
+dict, the same loss and gradients up to rounding):
+
+    model = fuse_model(TransformerLM(config))   # in place; returns the model
+
+* ``projections``: under autocast, q/k/v (and a gated MLP's gate/up) run as one matmul on the
+  stacked weights (:func:`fused_linear`): the input is read and cast once instead of three
+  times (twice). The attention and gated-MLP modules become :class:`FusedAttention` and
+  :class:`FusedGatedMLP`, subclasses that keep every parameter and buffer where it was.
+* ``triton``: where the fused projections run on a CUDA GPU under autocast
+  (:func:`kernels_apply`), two memory-bound steps go through Triton kernels, each written so that
+  every byte crosses memory once, forward and backward (below); the chunked loss uses
+  :func:`lmfs.kernels.loss.cross_entropy_rows`. Elsewhere the fused modules compute in PyTorch.
+* ``chunked_loss``: with targets, the model returns ``(None, loss)``, the loss computed by
+  :func:`lmfs.kernels.loss.linear_cross_entropy` a chunk of rows at a time, without keeping the
+  ``(B, T, vocab)`` logits (:class:`ChunkedLossLM`).
+
+SDPA's kernel can be chosen too, for a whole forward pass: :func:`prefer_sdpa_backend`.
+
+The two kernels of the fused modules:
 
 * :func:`rope_qkv`: the heads of a fused q/k/v projection, with RoPE applied to q and k. One
   kernel reads the ``(B, T, (H_q + 2·H_kv)·d)`` matmul output and writes q, k, v; the backward
@@ -12,14 +31,9 @@ crosses memory once, forward and backward:
 * :func:`swiglu`: ``silu(gate) · up`` on a fused gate/up matmul output ``(..., 2F)``; the
   backward writes ``dgate`` and ``dup`` into one ``(..., 2F)`` tensor reading each input once
   (Inductor's version of that ``cat`` loaded the inputs once per output half: 1.8× the time).
-* :func:`cross_entropy_rows`: the loss and its gradient with respect to the logits of a chunk
-  of rows in one kernel (one row per program: an online-softmax pass, then the gradient pass,
-  which reads the row again mostly from the L2 cache), for :func:`lmfs.nn.linear_cross_entropy`:
-  119 µs a chunk on an H200 where Inductor's kernel for the same work took 144 µs.
 
-The PyTorch versions in :mod:`lmfs.nn` are the references; the model calls these only on a GPU
-(``TransformerConfig.triton_kernels``). Forward and backward are computed in float32 and stored in
-the inputs' dtype.
+The PyTorch code in :mod:`lmfs.nn` is their reference. Forward and backward are computed in
+float32 and stored in the inputs' dtype.
 
 Measured on an H200 (GPT-2 small, 16 × 1024 tokens, compiled; README): with these kernels fused
 projections take a training step from 30.0 ms (separate projections) to 27.5–27.7 ms; fused
@@ -44,9 +58,18 @@ projections without them take 32.0 ms. ``torch.compile`` traces into the autogra
 
 from __future__ import annotations
 
-import torch
+import contextlib
+from collections.abc import Sequence
 
-from lmfs.kernels._triton import INTERPRET, check_tensors, row_block, row_warps, tl, triton
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lmfs.kernels._triton import INTERPRET, check_tensors, tl, triton
+from lmfs.kernels.loss import linear_cross_entropy
+from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, TransformerLM
+from lmfs.nn.positions import rope_angles
+
 
 # ----------------------------------------------------------------------------------------------
 # RoPE on the heads of a fused q/k/v projection
@@ -244,114 +267,165 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Cross-entropy of a chunk of rows, with its gradient, in one pass
+# Fused projections
 
 
-@triton.jit
-def _cross_entropy_kernel(logits_ptr, targets_ptr, scale_ptr, loss_ptr, grad_ptr, grad_row, V, z_loss, ignore_index,
-                          BLOCK_V: tl.constexpr, NEED_GRAD: tl.constexpr, Z_LOSS: tl.constexpr):
-    """Row ``r``: ``loss[r] = lse - x[target] (+ z·lse²)`` (0 if the target is ignored), and
-    ``grad[grad_row + r] = (softmax(x)·(1 + 2z·lse) - onehot(target)) · scale`` (0 if ignored)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_V)
-    mask = cols < V
-    x = tl.load(logits_ptr + row * V + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    target = tl.load(targets_ptr + row)
-    kept = target != ignore_index
-    m = tl.max(x, axis=0)
-    lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
-    x_target = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
-    loss = lse - x_target
-    if Z_LOSS:
-        loss += z_loss * lse * lse
-    tl.store(loss_ptr + row, tl.where(kept, loss, 0.0))
-    if NEED_GRAD:
-        p = tl.exp(x - lse)
-        if Z_LOSS:
-            p = p * (1.0 + 2.0 * z_loss * lse)
-        scale = tl.load(scale_ptr) * kept.to(tl.float32)
-        grad = tl.where(cols == target, p - 1.0, p) * scale
-        tl.store(grad_ptr + (grad_row + row) * V + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+def autocast_casts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a matmul of ``x`` with ``weight`` runs under autocast, which casts the weight to
+    another dtype (fp32 weights under bf16 autocast) and keeps that copy for the backward pass."""
+    device = x.device.type
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != weight.dtype
 
 
-@triton.jit
-def _cross_entropy_looped_kernel(logits_ptr, targets_ptr, scale_ptr, loss_ptr, grad_ptr, grad_row, V, z_loss,
-                                 ignore_index, BLOCK_V: tl.constexpr, NEED_GRAD: tl.constexpr,
-                                 Z_LOSS: tl.constexpr):
-    """:func:`_cross_entropy_kernel` for rows longer than the registers hold comfortably: a first
-    pass over the row in blocks keeps a running maximum and a rescaled sum of exponentials (the
-    online softmax of lecture 06), a second pass writes the gradient. The second read of the row
-    comes mostly from the L2 cache, which the program read it into a moment before."""
-    row = tl.program_id(0).to(tl.int64)
-    target = tl.load(targets_ptr + row)
-    kept = target != ignore_index
-    m = -float("inf")
-    total = 0.0
-    x_target = 0.0
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(logits_ptr + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-        x_target += tl.sum(tl.where(cols == target, x, 0.0), axis=0)
-    lse = m + tl.log(total)
-    loss = lse - x_target
-    if Z_LOSS:
-        loss += z_loss * lse * lse
-    tl.store(loss_ptr + row, tl.where(kept, loss, 0.0))
-    if NEED_GRAD:
-        scale = tl.load(scale_ptr) * kept.to(tl.float32)
-        factor = scale
-        if Z_LOSS:
-            factor = scale * (1.0 + 2.0 * z_loss * lse)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            x = tl.load(logits_ptr + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            grad = tl.exp(x - lse) * factor - tl.where(cols == target, scale, 0.0)
-            tl.store(grad_ptr + (grad_row + row) * V + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < V)
+def fused_linear(x: torch.Tensor, layers: Sequence[Linear], split: bool = True) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` computed as **one** matmul on the stacked weights.
 
-
-# Which kernel cross_entropy_rows launches: "looped" (two passes over blocks of CE_BLOCK columns)
-# or "row" (the whole row in registers, for rows up to 65,536). Measured on an H200 for 2,097 rows
-# of 32,000 bf16 logits (loss and gradient): row 143 µs; looped with 4096-column blocks and 8 warps
-# 119 µs (8192 and 16 warps: 131; 2048 and 8: 137). Inductor's kernel for the same work: 144 µs.
-CE_KERNEL = "looped"
-CE_BLOCK, CE_WARPS = 4096, 8
-
-
-def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor,
-                       grad: torch.Tensor | None = None, grad_row: int = 0, z_loss: float = 0.0,
-                       ignore_index: int = -100) -> torch.Tensor:
-    """Per-row loss of ``logits`` ``(n, V)`` against ``targets`` ``(n,)`` (float32 ``(n,)``, 0 for
-    ``ignore_index``, plus ``z_loss · lse²``), and, if ``grad`` is given, the gradient of
-    ``scale · Σ loss`` with respect to the logits, written into rows ``grad_row .. grad_row + n - 1``
-    of ``grad`` (``(≥ grad_row + n, V)``, in its own dtype); ``scale`` is a float32 scalar tensor.
-    (The whole gradient buffer and an offset, not a slice of it, so that under ``torch.compile``
-    the kernel writes into the buffer in place.)
-
-    One program per row (:data:`CE_KERNEL` picks how it walks the row); the gradient is written
-    once. Not differentiable itself: :func:`lmfs.nn.linear_cross_entropy` calls
-    it in its forward, which makes the gradient there.
+    The layers keep their own parameters (names, shapes and state dicts do not change); only the
+    computation is fused: ``torch.cat`` stacks the weights along ``d_out``, one
+    ``(..., d_in) @ (d_in, Σ d_out)`` matmul reads ``x`` once, and the output is split into views.
+    The backward pass then also makes the gradient of ``x`` in one matmul, instead of summing one
+    per layer. (Worth it under autocast only, see :func:`project`.) With ``split=False`` the result
+    is the one ``(..., Σ d_out)`` tensor, for a kernel that reads the parts itself
+    (:func:`rope_qkv`, :func:`swiglu`).
     """
-    check_tensors("cross_entropy_rows", logits=logits)
-    n, V = logits.shape
-    if targets.shape != (n,) or scale.numel() != 1 or scale.dtype != torch.float32:
-        raise ValueError(f"cross_entropy_rows: targets must be ({n},) and scale a float32 scalar, got "
-                         f"{tuple(targets.shape)} and {tuple(scale.shape)} {scale.dtype}")
-    if not logits.is_contiguous() or (grad is not None and (grad.dim() != 2 or grad.shape[1] != V
-                                                            or grad.shape[0] < grad_row + n
-                                                            or not grad.is_contiguous())):
-        raise ValueError(f"cross_entropy_rows: logits must be contiguous (n, V) and grad a contiguous "
-                         f"(≥ grad_row + n, V) tensor; got logits {tuple(logits.shape)}, grad "
-                         f"{None if grad is None else tuple(grad.shape)}, grad_row {grad_row}")
-    if CE_KERNEL == "looped":
-        kernel, block, warps = _cross_entropy_looped_kernel, min(CE_BLOCK, triton.next_power_of_2(V)), CE_WARPS
-    else:
-        block = row_block("cross_entropy_rows", V, limit=65536)
-        kernel, warps = _cross_entropy_kernel, row_warps(block)
-    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
-    kernel[(n,)](logits, targets.contiguous(), scale, loss, grad if grad is not None else logits, grad_row, V,
-                 float(z_loss), ignore_index, BLOCK_V=block, NEED_GRAD=grad is not None, Z_LOSS=bool(z_loss),
-                 num_warps=warps)
-    return loss
+    if x.shape[-1] != layers[0].weight.shape[1]:
+        raise ValueError(f"Linear(d_in={layers[0].weight.shape[1]}) got input of shape {tuple(x.shape)}: "
+                         "its last dimension must equal d_in")
+    y = x @ torch.cat([layer.weight for layer in layers]).T
+    if layers[0].bias is not None:
+        y = y + torch.cat([layer.bias for layer in layers])
+    if not split:
+        return y
+    return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
+
+
+def project(x: torch.Tensor, layers: Sequence[Linear]) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)``; under autocast as :func:`fused_linear`.
+
+    Only under autocast: there every weight is cast to bf16 for its matmul and the copy is kept
+    for the backward pass, so casting the stacked weight instead costs no memory. In plain fp32 the
+    separate matmuls use the parameters themselves, and a stacked copy would be one more tensor
+    kept for the backward pass.
+    """
+    if len(layers) > 1 and autocast_casts(x, layers[0].weight):
+        return fused_linear(x, layers)
+    return tuple(layer(x) for layer in layers)
+
+
+def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a fused projection of ``x`` takes the Triton kernels: ``x`` on a CUDA GPU and under
+    autocast (the only case in which projections are fused, see :func:`project`)."""
+    return x.is_cuda and autocast_casts(x, weight)
+
+
+class FusedAttention(CausalSelfAttention):
+    """:class:`~lmfs.nn.CausalSelfAttention` whose projections that read the same input run as one
+    matmul under autocast, and, with ``triton`` on a GPU, whose heads are split and rotated by
+    :func:`rope_qkv`. Made from a built module by :func:`fuse_model`."""
+
+    triton: bool = True
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # rope_qkv takes one (T, head_dim) table for every sequence: not (B, T) positions.
+        if (self.triton and not self.mla and self.rope is not None and self.q_norm is None
+                and (positions is None or positions.dim() == 1) and kernels_apply(x, self.q_proj.weight)):
+            qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), split=False)
+            tables = (self.rope.tables(x.shape[1], x.device) if positions is None
+                      else rope_angles(positions, self.rope.head_dim, self.rope.theta))
+            q, k, v = rope_qkv(qkv, *tables, self.n_heads, self.n_kv_heads)
+            return self.o_proj(self.attend_heads(q, k, v))
+        if self.mla:
+            q, latent = project(x, (self.q_proj, self.kv_down))
+            k, v = project(self.kv_norm(latent), (self.k_proj, self.v_proj))
+        else:
+            q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(self.heads(q, k, v, positions))
+
+
+class FusedGatedMLP(GatedMLP):
+    """:class:`~lmfs.nn.GatedMLP` with gate and up as one matmul under autocast, and, with
+    ``triton`` on a GPU, SwiGLU through :func:`swiglu`. Made by :func:`fuse_model`."""
+
+    triton: bool = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton and self.act is F.silu and kernels_apply(x, self.gate.weight):
+            return self.down(swiglu(fused_linear(x, (self.gate, self.up), split=False)))
+        gate, up = project(x, (self.gate, self.up))
+        return self.down(self.act(gate) * up)
+
+
+class ChunkedLossLM(TransformerLM):
+    """:class:`~lmfs.nn.TransformerLM` whose loss never keeps the logits: with targets,
+    ``forward`` returns ``(None, loss)``, the head and the loss computed chunk by chunk by
+    :func:`lmfs.kernels.loss.linear_cross_entropy` (its Triton kernel with ``triton``, on a GPU).
+    Without targets it returns ``(logits, None)`` as before. Made by :func:`fuse_model`."""
+
+    triton: bool = True
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        if targets is None:
+            return super().forward(idx, None, positions)
+        self._check_input(idx, targets, positions)
+        loss = linear_cross_entropy(self.hidden(idx, positions), self.head_weight(), targets,
+                                    z_loss=self.config.z_loss, softcap=self.config.logit_softcap,
+                                    kernel=self.triton)
+        return None, loss
+
+
+def fuse_model(model: TransformerLM, *, projections: bool = True, triton: bool = True,
+               chunked_loss: bool = True) -> TransformerLM:
+    """Make a built ``model`` compute faster, in place, and return it (see the module docstring).
+
+    ``projections``: attention and gated MLPs become :class:`FusedAttention` and
+    :class:`FusedGatedMLP` (``False`` turns them back into the plain modules). ``triton``: their
+    Triton kernels, which read the fused projections' output and so need ``projections``, and the
+    loss kernel of the chunked loss; used only on CUDA tensors under autocast. ``chunked_loss``:
+    the model becomes a :class:`ChunkedLossLM`. Only the class of each module changes, so
+    parameters, buffers, state-dict keys, an optimizer built on ``model.parameters()`` and the
+    function computed all stay.
+    """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"fuse_model takes an lmfs.nn.TransformerLM, got {type(model).__name__}")
+    for module in model.modules():
+        if type(module) in (CausalSelfAttention, FusedAttention):
+            module.__class__ = FusedAttention if projections else CausalSelfAttention
+            module.triton = triton
+        elif type(module) in (GatedMLP, FusedGatedMLP):
+            module.__class__ = FusedGatedMLP if projections else GatedMLP
+            module.triton = triton
+    if type(model) in (TransformerLM, ChunkedLossLM):
+        model.__class__ = ChunkedLossLM if chunked_loss else TransformerLM
+        model.triton = triton
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Which SDPA kernel runs
+
+# SDPA's kernels on CUDA, in the order torch tries them on Hopper/Blackwell with a recent cuDNN.
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def prefer_sdpa_backend(backend: str):
+    """A context in which SDPA tries ``backend`` (a key of :data:`SDPA_BACKENDS`) first.
+
+    Every backend stays enabled, in the order above after the preferred one, so a call the
+    preferred kernel cannot serve (a head dimension it lacks, a GPU without it) falls back
+    silently instead of failing. ``torch.compile`` traces the context and bakes the chosen
+    kernel, forward and backward, into the graph: enter it inside the compiled function
+    (e.g. in a wrapper module's ``forward`` around the model's call).
+    """
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"unknown SDPA backend {backend!r}: use one of {', '.join(SDPA_BACKENDS)}")
+    first = SDPA_BACKENDS[backend]
+    return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
+
+
+def sdpa_preference(backend: str, device: torch.device):
+    """:func:`prefer_sdpa_backend` on CUDA; nothing (SDPA's own choice) for ``"auto"`` or elsewhere."""
+    if backend == "auto" or device.type != "cuda":
+        return contextlib.nullcontext()
+    return prefer_sdpa_backend(backend)

@@ -40,7 +40,7 @@ def _tanh(u):
 
 
 @triton.jit
-def _gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK_SIZE: tl.constexpr):
+def gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK_SIZE: tl.constexpr):
     # Each program owns BLOCK_SIZE consecutive elements; consecutive threads touch consecutive
     # addresses, so loads and stores are coalesced. int64: n may exceed 2^31.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -52,7 +52,7 @@ def _gelu_fwd_kernel(x_ptr, y_ptr, n, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _gelu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n, BLOCK_SIZE: tl.constexpr):
+def gelu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n, BLOCK_SIZE: tl.constexpr):
     # Recompute tanh from x instead of saving it: reading x again costs the same as reading a
     # saved tanh, and the forward then stores nothing extra.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -65,13 +65,13 @@ def _gelu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n, BLOCK_SIZE: tl.constexpr):
     tl.store(dx_ptr + offsets, (dy * dgelu).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-class _GeLU(torch.autograd.Function):
+class GeLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x = x.contiguous()
         y = torch.empty_like(x)
         n = x.numel()
-        _gelu_fwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](x, y, n, BLOCK_SIZE=BLOCK_SIZE)
+        gelu_fwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](x, y, n, BLOCK_SIZE=BLOCK_SIZE)
         ctx.save_for_backward(x)
         return y
 
@@ -81,7 +81,7 @@ class _GeLU(torch.autograd.Function):
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         n = x.numel()
-        _gelu_bwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](x, dy, dx, n, BLOCK_SIZE=BLOCK_SIZE)
+        gelu_bwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](x, dy, dx, n, BLOCK_SIZE=BLOCK_SIZE)
         return dx
 
 
@@ -91,13 +91,13 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     Same as ``torch.nn.functional.gelu(x, approximate="tanh")``.
     """
     check_tensors("gelu", x=x)
-    return _GeLU.apply(x)
+    return GeLUFunction.apply(x)
 
 
 # ----------------------------------------------------------------------------------------------
 # CUDA C++: the same kernel written per thread instead of per block, compiled by nvcc at first use.
 
-_CUDA_SOURCE = r"""
+CUDA_SOURCE = r"""
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -142,7 +142,7 @@ void gelu_launch(const void* x, void* y, int64_t n, int dtype, cudaStream_t stre
 # The C++ side, compiled by the host compiler: checks, output allocation and the stream come from
 # PyTorch. Keeping PyTorch's (large) headers out of the .cu file above lets nvcc compile only the
 # kernel, which makes the first build several times faster.
-_CPP_SOURCE = r"""
+CPP_SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -189,7 +189,7 @@ def _cuda_module():
 
     # no_implicit_headers (torch >= 2.7): do not prepend torch/types.h to the CUDA source.
     quick = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
-    return load_inline(name="lmfs_gelu_cuda_v2", cpp_sources=_CPP_SOURCE, cuda_sources=_CUDA_SOURCE,
+    return load_inline(name="lmfs_gelu_cuda_v2", cpp_sources=CPP_SOURCE, cuda_sources=CUDA_SOURCE,
                        functions=["gelu"], extra_cuda_cflags=["-O3"], **quick)
 
 

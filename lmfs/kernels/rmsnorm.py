@@ -30,7 +30,7 @@ from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, conf
 
 
 @triton.jit
-def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_SIZE: tl.constexpr):
+def rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # int64: row·n_cols may exceed 2^31
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
@@ -44,7 +44,7 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_SIZE: 
 
 # Row counts vary, and PROGRAMS_PER_SM only sizes the grid: one compiled kernel serves all of them.
 @triton.jit(do_not_specialize=["n_rows", "PROGRAMS_PER_SM"])
-def _rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, ROWS_BUCKET,
+def rmsnorm_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, ROWS_BUCKET,
                         PROGRAMS_PER_SM, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
     """dx for every row, and this program's partial sum of dw, over tiles of ``ROWS`` rows.
 
@@ -114,14 +114,14 @@ def _bwd_prune(configs, named_args, **kwargs):
 
 
 if INTERPRET:
-    _bwd = _rmsnorm_bwd_kernel
+    _bwd = rmsnorm_bwd_kernel
     _BWD_FIXED = {"ROWS": 2, "PROGRAMS_PER_SM": 1, "STAGES": 1}
 else:
     _bwd = triton.autotune(
         [triton.Config({"ROWS": r, "PROGRAMS_PER_SM": p, "STAGES": s}, num_warps=w, num_stages=s)
          for r, w, p, s in _BWD_CANDIDATES],
         key=["BLOCK_SIZE", "ROWS_BUCKET"], prune_configs_by={"early_config_prune": _bwd_prune},
-        do_bench=autotune_bench)(_rmsnorm_bwd_kernel)
+        do_bench=autotune_bench)(rmsnorm_bwd_kernel)
     _BWD_FIXED = {}
 
 
@@ -138,7 +138,7 @@ def backward_choice() -> str:
     return config_str(_BWD_FIXED if INTERPRET else getattr(_bwd, "best_config", None))
 
 
-class _RMSNorm(torch.autograd.Function):
+class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         x2, weight = x.contiguous().view(-1, x.shape[-1]), weight.contiguous()
@@ -146,7 +146,7 @@ class _RMSNorm(torch.autograd.Function):
         block = row_block("rms_norm", n_cols)
         y = torch.empty_like(x2)
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        _rmsnorm_fwd_kernel[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK_SIZE=block,
+        rmsnorm_fwd_kernel[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK_SIZE=block,
                                        num_warps=row_warps(block))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
@@ -183,4 +183,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight must be 1-D with x's last dimension; got x {tuple(x.shape)} "
                          f"and weight {tuple(weight.shape)}")
-    return _RMSNorm.apply(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps)

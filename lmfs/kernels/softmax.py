@@ -24,7 +24,7 @@ from lmfs.kernels._triton import check_tensors, row_block, row_warps, tl, triton
 
 
 @triton.jit
-def _softmax_fwd_kernel(x_ptr, y_ptr, n_cols, BLOCK_SIZE: tl.constexpr):
+def softmax_fwd_kernel(x_ptr, y_ptr, n_cols, BLOCK_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # int64: row·n_cols may exceed 2^31
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols  # BLOCK_SIZE is a power of two ≥ n_cols
@@ -37,7 +37,7 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, n_cols, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_cols, BLOCK_SIZE: tl.constexpr):
+def softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_cols, BLOCK_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
@@ -47,14 +47,14 @@ def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_cols, BLOCK_SIZE: tl.constexpr)
     tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-class _Softmax(torch.autograd.Function):
+class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x2 = x.contiguous().view(-1, x.shape[-1])  # (rows, n_cols): rows are independent
         n_rows, n_cols = x2.shape
         block = row_block("softmax", n_cols)
         y = torch.empty_like(x2)
-        _softmax_fwd_kernel[(n_rows,)](x2, y, n_cols, BLOCK_SIZE=block, num_warps=row_warps(block))
+        softmax_fwd_kernel[(n_rows,)](x2, y, n_cols, BLOCK_SIZE=block, num_warps=row_warps(block))
         ctx.save_for_backward(y)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -66,7 +66,7 @@ class _Softmax(torch.autograd.Function):
         dy = dy.contiguous().view(n_rows, n_cols)
         block = row_block("softmax", n_cols)
         dx = torch.empty_like(y)
-        _softmax_bwd_kernel[(n_rows,)](y, dy, dx, n_cols, BLOCK_SIZE=block, num_warps=row_warps(block))
+        softmax_bwd_kernel[(n_rows,)](y, dy, dx, n_cols, BLOCK_SIZE=block, num_warps=row_warps(block))
         return dx.view(ctx.shape)
 
 
@@ -78,4 +78,4 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     check_tensors("softmax", x=x)
     if x.dim() == 0:
         raise ValueError("softmax: x must have at least one dimension (softmax runs over the last one)")
-    return _Softmax.apply(x)
+    return SoftmaxFunction.apply(x)

@@ -1,22 +1,26 @@
-"""Transformer language models from their parameters up.
+"""Transformer language models from their parameters up: the model as the lectures teach it.
 
+* :mod:`lmfs.nn.functional`: ``softmax``, ``cross_entropy``, ``silu`` written out.
 * :mod:`lmfs.nn.layers`: ``Linear``, ``Embedding``, ``RMSNorm``, ``LayerNorm``, feed-forwards.
 * :mod:`lmfs.nn.positions`: RoPE, learned, sinusoidal and no positions.
-* :mod:`lmfs.nn.attention`: causal self-attention (MHA/GQA/MQA, QK-norm, soft-cap, window, MLA).
+* :mod:`lmfs.nn.attention`: causal self-attention (MHA/GQA/MQA, QK-norm, soft-cap, window, MLA),
+  by SDPA or written out.
 * :mod:`lmfs.nn.config`: :class:`TransformerConfig` and the closed-form :func:`count_params`.
 * :mod:`lmfs.nn.transformer`: :class:`Block` and :class:`TransformerLM`.
-* :mod:`lmfs.nn.loss`: the output head and cross-entropy in chunks, without keeping the logits.
 * :mod:`lmfs.nn.generate`: sampling with temperature, top-k and top-p.
 * :mod:`lmfs.nn.hf`: conversion to and from Hugging Face Llama.
+
+Every module computes in plain PyTorch, one path per choice. Making a built model faster
+without changing what it computes (fused projections, Triton kernels, a loss that never keeps
+the logits) is an opt-in applied from outside: :func:`lmfs.kernels.fused.fuse_model`.
 """
 
 from lmfs.nn.attention import CausalSelfAttention, attention_reference, causal_mask
 from lmfs.nn.config import TransformerConfig, count_params
+from lmfs.nn.functional import cross_entropy, silu, softmax
 from lmfs.nn.generate import generate, top_k_filter, top_p_filter
 from lmfs.nn.hf import from_hf_llama, to_hf_llama
-from lmfs.nn.layers import (MLP, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm, fused_linear, make_ffn,
-                            make_norm)
-from lmfs.nn.loss import linear_cross_entropy
+from lmfs.nn.layers import MLP, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm, make_ffn, make_norm
 from lmfs.nn.positions import (LearnedPositions, RotaryEmbedding, SinusoidalPositions, apply_rope,
                                rope_angles, sinusoidal_table)
 from lmfs.nn.transformer import Block, TransformerLM
@@ -25,6 +29,6 @@ __all__ = [
     "Block", "CausalSelfAttention", "Embedding", "GatedMLP", "LayerNorm", "LearnedPositions",
     "Linear", "MLP", "RMSNorm", "RotaryEmbedding", "SinusoidalPositions", "TransformerConfig",
     "TransformerLM", "apply_rope", "attention_reference", "causal_mask", "count_params",
-    "from_hf_llama", "fused_linear", "generate", "linear_cross_entropy", "make_ffn", "make_norm",
-    "rope_angles", "sinusoidal_table", "to_hf_llama", "top_k_filter", "top_p_filter",
+    "cross_entropy", "from_hf_llama", "generate", "make_ffn", "make_norm", "rope_angles", "silu",
+    "sinusoidal_table", "softmax", "to_hf_llama", "top_k_filter", "top_p_filter",
 ]

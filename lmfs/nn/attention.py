@@ -13,53 +13,25 @@ One module, :class:`CausalSelfAttention`, covers:
   (itself included) (Mistral, Gemma 2 local layers).
 * **MLA** (multi-head latent attention, DeepSeek-V2), see :class:`CausalSelfAttention`.
 
-Two implementations of the same maths: :func:`attention_reference` spells out
-``softmax(QKᵀ/√d + mask)V``; the fast path calls ``F.scaled_dot_product_attention`` (fused
-kernels, FlashAttention on GPUs). The fast path has no soft-cap, so soft-capping always takes the
-reference path. On CUDA, ``config.sdpa_backend`` may ask SDPA to try one of its kernels first
-(:func:`sdpa_preference`).
+Two implementations of the same maths (``config.attn_impl``): :func:`attention_reference`
+spells out ``softmax(QKᵀ/√d + mask)V``; ``"sdpa"`` calls ``F.scaled_dot_product_attention``
+(fused kernels, FlashAttention on GPUs). SDPA has no soft-cap, so soft-capping always takes the
+reference path. Heads are split and merged with einops (``rearrange``, ``repeat``), whose
+patterns name every axis: ``"b t (h d) -> b h t d"``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmfs.nn.layers import Linear, RMSNorm, fused_linear, kernels_apply, make_norm, project
+from lmfs.nn.config import TransformerConfig, layer_config
+from lmfs.nn.layers import Linear, RMSNorm, make_norm
 from lmfs.nn.positions import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from lmfs.nn.config import TransformerConfig
-
-# SDPA's kernels on CUDA, in the order torch tries them on Hopper/Blackwell with a recent cuDNN.
-SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-
-
-def prefer_sdpa_backend(backend: str):
-    """A context in which SDPA tries ``backend`` (a key of :data:`SDPA_BACKENDS`) first.
-
-    Every backend stays enabled, in the order above after the preferred one, so a call the
-    preferred kernel cannot serve (a head dimension it lacks, a GPU without it) falls back
-    silently instead of failing. ``torch.compile`` traces the context and bakes the chosen
-    kernel, forward and backward, into the graph.
-    """
-    first = SDPA_BACKENDS[backend]
-    return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
-
-
-def sdpa_preference(backend: str, device: torch.device):
-    """:func:`prefer_sdpa_backend` on CUDA; nothing (SDPA's own choice) for ``"auto"`` or elsewhere."""
-    if backend == "auto" or device.type != "cuda":
-        return contextlib.nullcontext()
-    return prefer_sdpa_backend(backend)
 
 
 def causal_mask(T: int, window: int | None = None, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -94,7 +66,14 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention; ``forward(x)`` maps ``(B, T, d_model)`` to ``(B, T, d_model)``.
+    """Causal self-attention; ``forward(x, positions=None)`` maps ``(B, T, d_model)`` to
+    ``(B, T, d_model)``.
+
+    Built from a :class:`TransformerConfig`, or from its fields alone for a layer on its own:
+    ``CausalSelfAttention(d_model=64, n_heads=4)`` (see :func:`lmfs.nn.config.layer_config`).
+    ``positions`` (integer ``(T,)`` or ``(B, T)``) places the tokens for RoPE, e.g. a sequence
+    that continues at an offset or documents packed into one row; by default token ``t`` is at
+    position ``t``. Other position kinds are added to the embeddings, not here.
 
     Keys and values come from ``x`` directly (``config.attention == "mha"``, which with
     ``n_kv_heads`` also covers GQA and MQA), or through a latent (``"mla"``):
@@ -110,14 +89,13 @@ class CausalSelfAttention(nn.Module):
     are not compressed either.
     """
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig | None = None, **fields):
         super().__init__()
+        config = layer_config(config, fields)
         d, hd = config.d_model, config.head_dim
         self.n_heads, self.n_kv_heads = config.n_heads, config.kv_heads
         self.window, self.softcap, self.impl = config.window, config.attn_softcap, config.attn_impl
         self.mla = config.attention == "mla"
-        self.fused, self.sdpa_backend = config.fused_projections, config.sdpa_backend
-        self.kernels = config.triton_kernels
 
         self.q_proj = Linear(d, self.n_heads * hd, config.bias)
         kv_in = d
@@ -134,34 +112,23 @@ class CausalSelfAttention(nn.Module):
         self.rope = (RotaryEmbedding(hd, config.rope_theta, config.context_length)
                      if config.positions == "rope" else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Projections that read the same input run as one matmul under autocast (layers.project).
-        # On a GPU a Triton kernel then splits the heads and rotates q and k in one pass, and its
-        # backward writes the three gradients into the fused matmul's (lmfs.kernels.fused).
-        if (self.fused and not self.mla and self.rope is not None and self.q_norm is None
-                and kernels_apply(x, self.q_proj.weight, self.kernels)):
-            from lmfs.kernels.fused import rope_qkv  # imported on a GPU only: it loads Triton
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.q_proj(x)
+        kv_in = self.kv_norm(self.kv_down(x)) if self.mla else x
+        k, v = self.k_proj(kv_in), self.v_proj(kv_in)
+        return self.o_proj(self.heads(q, k, v, positions))
 
-            qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), split=False)
-            q, k, v = rope_qkv(qkv, *self.rope.tables(x.shape[1], x.device), self.n_heads, self.n_kv_heads)
-            return self.o_proj(self.attend_heads(q, k, v))
-        if self.mla:
-            q, latent = project(x, (self.q_proj, self.kv_down), self.fused)
-            k, v = project(self.kv_norm(latent), (self.k_proj, self.v_proj), self.fused)
-        else:
-            q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)
-        return self.o_proj(self.heads(q, k, v))
-
-    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
         """Projected ``(B, T, H·d)`` queries, keys and values -> attended ``(B, T, H·d)``:
-        split into heads, QK-norm, RoPE, GQA sharing, attention, heads merged again."""
+        split into heads, QK-norm, RoPE (at ``positions``), GQA sharing, attention, heads merged."""
         q = rearrange(q, "b t (h d) -> b h t d", h=self.n_heads)
         k = rearrange(k, "b t (h d) -> b h t d", h=self.n_kv_heads)
         v = rearrange(v, "b t (h d) -> b h t d", h=self.n_kv_heads)
         if self.q_norm is not None:  # normalise before rotating, as OLMo 2 and Gemma 3 do
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
+            q, k = self.rope(q, positions), self.rope(k, positions)
         return self.attend_heads(q, k, v)
 
     def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -176,11 +143,9 @@ class CausalSelfAttention(nn.Module):
         """Causal attention of ``(B, H, T, d)`` heads, by the path ``config.attn_impl`` picks."""
         T = q.shape[-2]
         if self.impl == "sdpa" and self.softcap is None:
-            # getattr: TensorParallelAttention shares this method and may not carry the setting.
-            with sdpa_preference(getattr(self, "sdpa_backend", "auto"), q.device):
-                if self.window is None:  # is_causal lets the kernel skip masked blocks entirely
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                mask = causal_mask(T, self.window, q.device, q.dtype)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if self.window is None:  # is_causal lets the kernel skip masked blocks entirely
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            mask = causal_mask(T, self.window, q.device, q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         mask = causal_mask(T, self.window, q.device, q.dtype)
         return attention_reference(q, k, v, mask, self.softcap)

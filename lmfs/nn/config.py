@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lmfs.nn.layers import FFN_KINDS, default_d_ff, ffn_params, norm_params
@@ -14,7 +15,6 @@ CHOICES = {
     "positions": POSITION_KINDS,
     "attention": ("mha", "mla"),
     "attn_impl": ("sdpa", "reference"),
-    "sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math"),
 }
 
 
@@ -57,16 +57,6 @@ class TransformerConfig:
     bias: bool = False                  # biases in the linear layers (never in the output head)
     init_std: float = 0.02
     attn_impl: str = "sdpa"             # "sdpa" (fused) | "reference"; attn_softcap forces reference
-    # How the model runs, not what it computes (same parameters, same function):
-    # Under autocast, q/k/v (and gate/up) as one matmul each. With the Triton kernels below, a
-    # compiled GPT-2-small training step on an H200 took 28.2 ms against 30.0 unfused and 32.0
-    # fused without them (one run; Inductor's backward for the split is slow); 27.5-27.7 ms since
-    # session 5's RoPE change (README).
-    fused_projections: bool = True
-    sdpa_backend: str = "auto"          # CUDA: SDPA kernel to try first; "auto": torch's own order
-    # On a CUDA GPU, the Triton kernels of lmfs.kernels.fused for the chunked loss and, with fused
-    # projections, RoPE on the fused q/k/v and SwiGLU on the fused gate/up (see kernels_apply).
-    triton_kernels: bool = True
 
     def __post_init__(self):
         problems = self.problems()
@@ -129,6 +119,17 @@ class TransformerConfig:
         if self.z_loss < 0:
             out.append(f"z_loss={self.z_loss} must be >= 0 (0 switches it off)")
         return out
+
+
+def layer_config(config: TransformerConfig | None, fields: dict) -> TransformerConfig:
+    """The config one layer is built from: ``config`` with ``fields`` replaced, or, without a
+    config, ``TransformerConfig(**fields)`` (so ``CausalSelfAttention(d_model=64, n_heads=4)``
+    needs no model around it; every field left out keeps its default)."""
+    unknown = set(fields) - {f.name for f in dataclasses.fields(TransformerConfig)}
+    if unknown:
+        raise TypeError(f"unknown settings {sorted(unknown)}: a layer takes the fields of TransformerConfig "
+                        "(d_model, n_heads, n_kv_heads, ...)")
+    return TransformerConfig(**fields) if config is None else dataclasses.replace(config, **fields)
 
 
 def count_params(config: TransformerConfig) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from lmfs.nn.functional import softmax
+
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the ``k`` largest logits of each row (``(..., V)``), set the rest to ``-inf``.
@@ -31,7 +33,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     if not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {p}")
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    probs = softmax(sorted_logits.float(), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # undo the sort
@@ -63,7 +65,7 @@ def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float =
                 logits = top_k_filter(logits, top_k)
             if top_p is not None:
                 logits = top_p_filter(logits, top_p)
-            probs = torch.softmax(logits.float(), dim=-1)
+            probs = softmax(logits.float(), dim=-1)
             next_id = torch.multinomial(probs, 1, generator=generator)
         idx = torch.cat([idx, next_id], dim=1)
     return idx

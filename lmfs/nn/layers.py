@@ -8,9 +8,7 @@ to and from other libraries by copying tensors, never by transposing them.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,63 +41,6 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         d_out, d_in = self.weight.shape
         return f"d_in={d_in}, d_out={d_out}, bias={self.bias is not None}"
-
-
-def autocast_casts(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a matmul of ``x`` with ``weight`` runs under autocast, which casts the weight to
-    another dtype (fp32 weights under bf16 autocast) and keeps that copy for the backward pass."""
-    device = x.device.type
-    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != weight.dtype
-
-
-def fused_linear(x: torch.Tensor, layers: Sequence[Linear], split: bool = True) -> tuple[torch.Tensor, ...]:
-    """``tuple(layer(x) for layer in layers)`` computed as **one** matmul on the stacked weights.
-
-    The layers keep their own parameters (names, shapes and state dicts do not change); only the
-    computation is fused: ``torch.cat`` stacks the weights along ``d_out``, one
-    ``(..., d_in) @ (d_in, Σ d_out)`` matmul reads ``x`` once, and the output is split into views.
-    Backward, ``cat`` hands each weight its slice of the gradient, and the input's gradient is one
-    matmul with inner dimension ``Σ d_out`` instead of a sum of several. A wide matmul keeps the
-    GPU's tiles busier than a few narrow ones, and under autocast ``x`` is cast to bf16 once
-    rather than once per layer. (The stacked weight is a copy: under autocast it takes the place
-    of the bf16 copies autocast makes anyway, see :func:`project`.) With ``split=False`` the result
-    is the one ``(..., Σ d_out)`` tensor, for a kernel that reads the parts itself
-    (:func:`lmfs.kernels.fused.rope_qkv`, :func:`lmfs.kernels.fused.swiglu`).
-    """
-    if x.shape[-1] != layers[0].weight.shape[1]:
-        raise ValueError(f"Linear(d_in={layers[0].weight.shape[1]}) got input of shape {tuple(x.shape)}: "
-                         "its last dimension must equal d_in")
-    y = x @ torch.cat([layer.weight for layer in layers]).T
-    if layers[0].bias is not None:
-        y = y + torch.cat([layer.bias for layer in layers])
-    if not split:
-        return y
-    return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
-
-
-# Whether the ``triton`` package is installed (it has wheels for Linux only): a constant, which
-# torch.compile reads without tracing a call.
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-
-
-def kernels_apply(x: torch.Tensor, weight: torch.Tensor, enabled: bool = True) -> bool:
-    """Whether a fused projection of ``x`` takes the Triton kernels of :mod:`lmfs.kernels.fused`:
-    ``enabled`` (``TransformerConfig.triton_kernels``), ``x`` on a CUDA GPU, under autocast (the
-    only case in which projections are fused, see :func:`project`), and Triton installed."""
-    return enabled and x.is_cuda and autocast_casts(x, weight) and TRITON_AVAILABLE
-
-
-def project(x: torch.Tensor, layers: Sequence[Linear], fuse: bool = True) -> tuple[torch.Tensor, ...]:
-    """``tuple(layer(x) for layer in layers)``; with ``fuse``, under autocast, as :func:`fused_linear`.
-
-    Only under autocast: there every weight is cast to bf16 for its matmul and the copy is kept
-    for the backward pass, so casting the stacked weight instead costs no memory. In plain fp32 the
-    separate matmuls use the parameters themselves, and a stacked copy would be one more tensor
-    kept for the backward pass.
-    """
-    if fuse and len(layers) > 1 and autocast_casts(x, layers[0].weight):
-        return fused_linear(x, layers)
-    return tuple(layer(x) for layer in layers)
 
 
 class Embedding(nn.Module):
@@ -206,41 +147,32 @@ class GatedMLP(nn.Module):
 
     SwiGLU uses ``act = SiLU`` (Llama), GeGLU uses ``act = GeLU`` (Gemma). The gate lets each
     hidden unit scale its own value multiplicatively, which trains a little better than a plain
-    MLP of the same parameter count (Shazeer, 2020). Gate and up read the same ``x``: with
-    ``fused`` (under autocast) they run as one matmul, see :func:`project`.
+    MLP of the same parameter count (Shazeer, 2020). ``x`` is ``(..., d_model)``; the hidden
+    activations are ``(..., d_ff)``.
     """
 
-    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", bias: bool = False,
-                 fused: bool = True, kernels: bool = True):
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", bias: bool = False):
         super().__init__()
         if activation not in GATED_FFNS:
             raise ValueError(f"GatedMLP activation must be 'swiglu' or 'geglu', got {activation!r}; "
                              "use MLP for 'relu' / 'gelu'")
         self.act = F.silu if activation == "swiglu" else F.gelu
-        self.fused, self.kernels = fused, kernels
         self.gate = Linear(d_model, d_ff, bias)
         self.up = Linear(d_model, d_ff, bias)
         self.down = Linear(d_ff, d_model, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and self.act is F.silu and kernels_apply(x, self.gate.weight, self.kernels):
-            from lmfs.kernels.fused import swiglu  # imported on a GPU only: it loads Triton
-
-            return self.down(swiglu(fused_linear(x, (self.gate, self.up), split=False)))
-        gate, up = project(x, (self.gate, self.up), self.fused)
-        return self.down(self.act(gate) * up)
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
-def make_ffn(kind: str, d_model: int, d_ff: int | None = None, bias: bool = False,
-             fused: bool = True, kernels: bool = True) -> nn.Module:
-    """Build the feed-forward named ``kind`` (one of :data:`FFN_KINDS`); ``fused`` is for gated
-    ones, whose gate and up projections then run as one matmul under autocast (and on a GPU, with
-    ``kernels``, SwiGLU through :func:`lmfs.kernels.fused.swiglu`)."""
+def make_ffn(kind: str, d_model: int, d_ff: int | None = None, bias: bool = False) -> nn.Module:
+    """Build the feed-forward named ``kind`` (one of :data:`FFN_KINDS`), ``d_ff`` wide (default
+    :func:`default_d_ff`)."""
     if kind not in FFN_KINDS:
         raise ValueError(f"unknown ffn {kind!r}: use one of {FFN_KINDS}")
     d_ff = d_ff or default_d_ff(d_model, kind)
     if kind in GATED_FFNS:
-        return GatedMLP(d_model, d_ff, kind, bias, fused, kernels)
+        return GatedMLP(d_model, d_ff, kind, bias)
     return MLP(d_model, d_ff, kind, bias)
 
 

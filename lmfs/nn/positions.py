@@ -32,7 +32,8 @@ POSITION_KINDS = ("rope", "learned", "sinusoidal", "none")
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
-    """``(cos, sin)``, each ``(T, head_dim)``, for integer ``positions`` of shape ``(T,)``.
+    """``(cos, sin)``, each ``(..., T, head_dim)``, for integer ``positions`` ``(..., T)``: ``(T,)``
+    for one sequence, ``(B, T)`` for a batch whose sequences are offset or packed differently.
 
     Pair ``i`` (dims ``i`` and ``i + head_dim/2``) turns at frequency ``theta^(-2i/head_dim)``:
     the first pairs spin fast and resolve nearby tokens, the last ones barely move and carry
@@ -43,7 +44,7 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
         raise ValueError(f"RoPE rotates pairs of dims, so head_dim must be even, got {head_dim}")
     dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
     inv_freq = 1.0 / theta ** (dims / head_dim)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, head_dim/2)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # dims i and i + head_dim/2 share an angle
     return angles.cos(), angles.sin()
 
@@ -55,7 +56,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate every pair of ``x`` ``(..., T, head_dim)`` by its angle: ``x·cos + rot(x)·sin``.
+    """Rotate every pair of ``x`` ``(..., T, head_dim)`` by its angle: ``x·cos + rot(x)·sin``;
+    ``cos`` and ``sin`` broadcast against ``x`` (e.g. ``(T, head_dim)`` for every batch and head).
 
     For a pair ``(a, b)`` this is ``(a cos - b sin, b cos + a sin)``, a plane rotation.
     """
@@ -63,8 +65,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding; no parameters. ``forward(x)`` rotates ``x`` ``(B, H, T, head_dim)``
-    with token ``t`` at position ``t``.
+    """Rotary position embedding; no parameters. ``forward(x, positions=None)`` rotates ``x``
+    ``(B, H, T, head_dim)``; token ``t`` is at position ``t`` unless ``positions`` says otherwise.
+
+    ``positions`` is an integer ``(T,)`` or ``(B, T)`` tensor: a sequence that continues an
+    earlier one starts at an offset (``arange(T) + offset``), and several documents packed into
+    one row restart at 0 each (``[0, 1, 2, 0, 1, ...]``), so each is rotated as if it were alone.
 
     The cos/sin tables for positions ``0 .. max_positions - 1`` are computed once and kept as
     float32 buffers (not saved in the state dict); longer inputs compute theirs on the fly. Why
@@ -73,8 +79,9 @@ class RotaryEmbedding(nn.Module):
     into the element-wise kernel that rotates q and k, and so evaluates the cosine and sine once
     per *element* of q and k, ``B·H`` times more, in the forward and again in the backward:
     measured on an H200 for a GPT-2-small shape, 3 ms of a 34 ms training step (README).
-    Casting the model (``model.to(torch.bfloat16)``) leaves the tables in float32; ``apply_rope``
-    casts them to the activations' dtype where they are used.
+    Explicit ``positions`` compute their angles in each call. Casting the model
+    (``model.to(torch.bfloat16)``) leaves the tables in float32; ``apply_rope`` casts them to the
+    activations' dtype where they are used.
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0, max_positions: int = 0):
@@ -98,8 +105,13 @@ class RotaryEmbedding(nn.Module):
             return self.cos[:T], self.sin[:T]
         return rope_angles(torch.arange(T, device=device), self.head_dim, self.theta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, *self.tables(x.shape[-2], x.device))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            return apply_rope(x, *self.tables(x.shape[-2], x.device))
+        cos, sin = rope_angles(positions, self.head_dim, self.theta)
+        if cos.dim() == 3:  # (B, T, head_dim): one table per sequence, shared by its heads
+            cos, sin = cos[:, None], sin[:, None]
+        return apply_rope(x, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, max_positions={self.max_positions}"
@@ -121,25 +133,31 @@ def sinusoidal_table(context_length: int, d_model: int, base: float = 10000.0) -
 
 
 class LearnedPositions(nn.Module):
-    """One trainable ``d_model`` vector per position; ``forward(T)`` returns ``(T, d_model)``."""
+    """One trainable ``d_model`` vector per position. ``forward(T)`` returns the ``(T, d_model)``
+    rows of positions ``0 .. T - 1``; ``forward(positions)``, for an integer tensor ``(..., T)``,
+    the rows of those positions ``(..., T, d_model)``."""
 
     def __init__(self, context_length: int, d_model: int):
         super().__init__()
         self.table = Embedding(context_length, d_model)
 
-    def forward(self, T: int) -> torch.Tensor:
-        return self.table.weight[:T]
+    def forward(self, positions: int | torch.Tensor) -> torch.Tensor:
+        if isinstance(positions, torch.Tensor):
+            return self.table(positions)
+        return self.table.weight[:positions]
 
 
 class SinusoidalPositions(nn.Module):
-    """The fixed table of :func:`sinusoidal_table`; ``forward(T)`` returns ``(T, d_model)``."""
+    """The fixed table of :func:`sinusoidal_table`; ``forward`` as :class:`LearnedPositions`'."""
 
     def __init__(self, context_length: int, d_model: int):
         super().__init__()
         self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
 
-    def forward(self, T: int) -> torch.Tensor:
-        return self.table[:T]
+    def forward(self, positions: int | torch.Tensor) -> torch.Tensor:
+        if isinstance(positions, torch.Tensor):
+            return self.table[positions]
+        return self.table[:positions]
 
 
 def make_absolute_positions(kind: str, context_length: int, d_model: int) -> nn.Module | None:

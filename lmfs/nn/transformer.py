@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmfs.nn.attention import CausalSelfAttention
-from lmfs.nn.config import TransformerConfig
+from lmfs.nn.config import TransformerConfig, layer_config
 from lmfs.nn.layers import Embedding, Linear, make_ffn, make_norm
-from lmfs.nn.loss import linear_cross_entropy
 from lmfs.nn.positions import make_absolute_positions
 
 
@@ -28,16 +27,18 @@ class Block(nn.Module):
 
     With ``config.parallel`` there is one branch ``f(h) = attn(h) + mlp(h)`` instead of two in
     sequence (GPT-J, PaLM): both read the same input, which lets their matmuls run together.
-    ``forward`` maps ``(B, T, d_model)`` to ``(B, T, d_model)``.
+    ``forward(x, positions=None)`` maps ``(B, T, d_model)`` to ``(B, T, d_model)``; ``positions``
+    goes to attention (:class:`~lmfs.nn.attention.CausalSelfAttention`). Like attention, a block
+    can be built from config fields alone: ``Block(d_model=64, n_heads=4, ffn="gelu")``.
     """
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig | None = None, **fields):
         super().__init__()
+        config = layer_config(config, fields)
         self.position = config.norm_position
         self.parallel = config.parallel
         self.attn = CausalSelfAttention(config)
-        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias, config.fused_projections,
-                            config.triton_kernels)
+        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias)
         branches = 1 if config.parallel else 2
         # norms[i]: the input norm of branch i (pre, double), or the norm after its sum (post).
         self.norms = nn.ModuleList(
@@ -55,10 +56,10 @@ class Block(nn.Module):
             y = self.out_norms[i](y)
         return x + y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.parallel:
-            return self.residual(x, lambda h: self.attn(h) + self.mlp(h), 0)
-        x = self.residual(x, self.attn, 0)
+            return self.residual(x, lambda h: self.attn(h, positions) + self.mlp(h), 0)
+        x = self.residual(x, lambda h: self.attn(h, positions), 0)
         return self.residual(x, self.mlp, 1)
 
 
@@ -109,44 +110,51 @@ class TransformerLM(nn.Module):
         """
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, return_logits: bool = True):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         """Return ``(logits, loss)``; ``loss`` is ``None`` without ``targets``.
 
         ``idx`` and ``targets`` are integer ``(B, T)`` with ``T <= context_length``. The loss is the
         mean cross-entropy over targets that are not ``-100`` (the ignore index), plus
         ``z_loss · mean(logsumexp(logits)²)`` when ``config.z_loss > 0``, which keeps the softmax
-        normaliser near 1 and the logits from drifting (PaLM).
-
-        With targets and ``return_logits=False`` the result is ``(None, loss)``: the head and the
-        loss then run chunk by chunk (:func:`lmfs.nn.loss.linear_cross_entropy`) and the
-        ``(B, T, vocab)`` logits are never kept, the same loss in far less memory.
+        normaliser near 1 and the logits from drifting (PaLM). ``positions`` (integer ``(T,)`` or
+        ``(B, T)``, default ``0 .. T-1``) says where each token sits: an offset for a sequence
+        that continues an earlier one, a restart at 0 for each document packed into a row.
         """
-        self._check_input(idx, targets)
-        if not return_logits and targets is None:
-            raise ValueError("return_logits=False only applies with targets: without them the logits "
-                             "are the only output")
-        x = self.tok_emb(idx)  # (B, T, d_model)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(idx.shape[1])
-        for block in self.blocks:
-            x = block(x)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        if not return_logits:
-            head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-            return None, linear_cross_entropy(x, head, targets, z_loss=self.config.z_loss,
-                                              softcap=self.config.logit_softcap,
-                                              kernel=self.config.triton_kernels)
-        logits = x @ self.tok_emb.weight.T if self.lm_head is None else self.lm_head(x)
-        if self.config.logit_softcap is not None:
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
+        self._check_input(idx, targets, positions)
+        logits = self.head(self.hidden(idx, positions))
         if targets is None:
             return logits, None
         return logits, self.loss(logits, targets)
 
+    def hidden(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states ``(B, T, d_model)``: embeddings, every block, the final norm."""
+        x = self.tok_emb(idx)  # (B, T, d_model)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(idx.shape[1] if positions is None else positions)
+        for block in self.blocks:
+            x = block(x, positions)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x
+
+    def head_weight(self) -> torch.Tensor:
+        """The output matrix ``(vocab_size, d_model)``: the token embedding's when tied."""
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``(B, T, d_model)`` -> logits ``(B, T, vocab_size)``, soft-capped if configured."""
+        logits = x @ self.tok_emb.weight.T if self.lm_head is None else self.lm_head(x)
+        if self.config.logit_softcap is not None:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of ``(B, T, V)`` logits against ``(B, T)`` targets, plus the z-loss."""
+        """Cross-entropy of ``(B, T, V)`` logits against ``(B, T)`` targets, plus the z-loss.
+
+        ``F.cross_entropy`` computes what :func:`lmfs.nn.functional.cross_entropy` writes out, and
+        keeps less for the backward pass (the log-softmax only)."""
         flat, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
         loss = F.cross_entropy(flat, flat_targets, ignore_index=-100)
         if self.config.z_loss > 0:
@@ -155,7 +163,7 @@ class TransformerLM(nn.Module):
             loss = loss + self.config.z_loss * log_z.pow(2).mean()
         return loss
 
-    def _check_input(self, idx: torch.Tensor, targets: torch.Tensor | None):
+    def _check_input(self, idx: torch.Tensor, targets: torch.Tensor | None, positions: torch.Tensor | None = None):
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}; "
                              "for a single sequence pass idx[None]")
@@ -168,3 +176,7 @@ class TransformerLM(nn.Module):
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets must have the same shape as idx {tuple(idx.shape)}, got "
                              f"{tuple(targets.shape)}; targets are idx shifted left by one token")
+        if positions is not None and (positions.shape not in (idx.shape[1:], idx.shape)
+                                      or positions.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"positions must be integer ({idx.shape[1]},) or {tuple(idx.shape)} like idx, got "
+                             f"{positions.dtype} {tuple(positions.shape)}; e.g. torch.arange(T) + offset")

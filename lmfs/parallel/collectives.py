@@ -19,6 +19,16 @@ all_to_all         chunk r of every x_s, in order of s             a transpose o
 
 :func:`demo_collectives` runs them all on ranks (use it with :func:`lmfs.parallel.run`);
 :func:`reference_collectives` computes the same results in one process from the definitions.
+
+Measuring a collective (:func:`bandwidth_worker`): time it on a message of ``S`` bytes, taking
+``t`` seconds; NCCL's own tests report two bandwidths:
+
+* **algorithm bandwidth** ``algbw = S / t``, with ``S`` the bytes of the full tensor (the
+  all-reduce buffer, the all-gather output, the reduce-scatter input);
+* **bus bandwidth** ``busbw = algbw × BUS_FACTOR[op](n)``: the bytes each rank really sends per
+  second (see :mod:`lmfs.parallel.comm`), with factor ``2(n-1)/n`` for all-reduce and ``(n-1)/n``
+  for all-gather and reduce-scatter. It does not depend on ``n``, so it compares directly with a
+  link's peak (:mod:`lmfs.hardware`).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lmfs.bench.timing import benchmark
 from lmfs.parallel import comm
 from lmfs.parallel.launch import device_for
 
@@ -140,3 +151,52 @@ def compare_all_reduce(rank: int, world_size: int, numel: int = 1000, seed: int 
     direct = x.clone()
     dist.all_reduce(direct)
     return {"input": x, "all_reduce": direct, "rs_ag": all_reduce_via_rs_ag(x)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bandwidth
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n}
+GPU_SIZES = [2**20 * 2**i for i in range(11)]  # 1 MB .. 1 GB
+CPU_SIZES = [2**16 * 4**i for i in range(5)]   # 64 KB .. 16 MB
+
+
+def _collective(op: str, nbytes: int, n: int, device):
+    """A closure that runs ``op`` once on a float32 tensor of ``nbytes`` (the full tensor)."""
+    numel = nbytes // 4 // n * n  # divisible by n for the sharded collectives
+    full = torch.ones(numel, device=device)
+    shard = torch.ones(numel // n, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if op == "all_gather":
+        return lambda: comm.all_gather_into(full, shard)
+    return lambda: comm.reduce_scatter_into(shard, full)
+
+
+def bandwidth_worker(rank: int, world_size: int, ops=("all_reduce", "all_gather", "reduce_scatter"),
+                     sizes=None, warmup: int = 5, iters: int = 20) -> list[dict]:
+    """Rank function: one row per (collective, message size in bytes) with the slowest rank's
+    median time and both bandwidths.
+
+    Each rank times ``iters`` calls after ``warmup`` (CUDA events on a GPU, the wall clock on a
+    CPU) and takes the median; the slowest rank's median counts, since a collective is done only
+    when every rank is. ``sizes`` defaults to 1 MB .. 1 GB on GPUs, 64 KB .. 16 MB on CPUs.
+    """
+    device = device_for(rank)
+    sizes = sizes or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
+    rows = []
+    for op in ops:
+        if op not in BUS_FACTOR:
+            raise ValueError(f"unknown collective {op!r}: use {sorted(BUS_FACTOR)}")
+        for nbytes in sizes:
+            fn = _collective(op, nbytes, world_size, device)
+            dist.barrier()
+            t = torch.tensor([benchmark(fn, warmup=warmup, repeats=iters, device=device).median], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            seconds = t.item()
+            algbw = nbytes / seconds
+            rows.append({"op": op, "bytes": nbytes, "time_us": seconds * 1e6, "algbw_GBps": algbw / 1e9,
+                         "busbw_GBps": algbw * BUS_FACTOR[op](world_size) / 1e9})
+    return rows

@@ -23,7 +23,7 @@ send / isend        S                    exact; a receive sends nothing
 
 ``S`` is the input of reduce-scatter and the output of all-gather, i.e. always the full tensor.
 Divided by the time, these per-rank figures are what NCCL's tests report as "bus bandwidth"
-(see :mod:`lmfs.benchmarks.collective_bandwidth`).
+(see :func:`lmfs.parallel.collectives.bandwidth_worker`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ compose: divide by each degree, add each traffic on its own group). The setting:
 * a global batch of ``batch_size`` sequences of ``seq_len`` tokens per optimizer step;
 * mixed-precision AdamW: ``param_bytes = 2`` (bf16 weights), ``grad_bytes = 2`` (bf16 gradients,
   reduced in bf16), ``optimizer_bytes = 12`` (fp32 master weights and two fp32 moments);
-* activations of the transformer blocks as :func:`lmfs.accounting.activation_bytes_per_layer`
+* activations of the transformer blocks as :func:`lmfs.bench.memory.activation_bytes_per_layer`
   counts them (bf16 autocast, no recomputation); the logits and the batch are left out;
 * communication by the bandwidth-optimal algorithms of :mod:`lmfs.parallel.comm` (a ring
   all-reduce sends ``2(n-1)/n`` of the tensor per GPU).
@@ -38,7 +38,7 @@ hundreds of times PP's, which is why TP stays inside an NVLink domain).
 
 from __future__ import annotations
 
-from lmfs.accounting import _norm_bytes, activation_bytes_per_layer
+from lmfs.bench.memory import activation_bytes_per_layer, norm_bytes
 from lmfs.nn import TransformerConfig, count_params
 from lmfs.nn.layers import ffn_params
 
@@ -95,7 +95,7 @@ def strategy_costs(config: TransformerConfig, strategy: str, n: int, batch_size:
         pattern = "all-gather parameters (forward, backward), reduce-scatter gradients"
     elif strategy in ("tp", "tp+sp"):
         whole = act(B, T)
-        norms = L * 2 * _norm_bytes(c) * B * T  # the two norms' tensors, per layer
+        norms = L * 2 * norm_bytes(c) * B * T  # the two norms' tensors, per layer
         activations = whole / n if strategy == "tp+sp" else (whole - norms) / n + norms
         mem = (P / n, G / n, O / n, activations)
         sent = L * 4 * 2 * ring * B * T * d * a

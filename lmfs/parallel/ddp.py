@@ -17,119 +17,18 @@ Two implementations:
   gradients. ``finish_gradient_sync()`` waits for the last ones before the optimizer step.
   Buckets fill in reverse parameter order because backward produces gradients from the last
   layer to the first.
-
-The module also holds what every strategy in :mod:`lmfs.parallel` is checked against: a tiny
-model config, deterministic batches and :func:`train_single`, plain single-process training.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmfs.bench.memory import optimizer_tensors, storage_bytes
-from lmfs.nn import TransformerConfig, TransformerLM
+from lmfs.nn import TransformerConfig
 from lmfs.parallel import comm
+from lmfs.parallel.common import build_model, shard_batch, train_on_rank
 from lmfs.parallel.launch import device_for
-
-# ---------------------------------------------------------------------------------------------
-# The reference: a tiny model, fixed data, single-process training
-
-
-def demo_config(**overrides) -> TransformerConfig:
-    """A model small enough for several CPU processes at once (about 40k parameters)."""
-    base = dict(vocab_size=64, context_length=16, d_model=32, n_layers=2, n_heads=4)
-    return TransformerConfig(**{**base, **overrides})
-
-
-def demo_batches(steps: int, batch_size: int, seq_len: int, vocab_size: int, seed: int = 0):
-    """``steps`` global batches ``(x, y)`` of random tokens, each ``(batch_size, seq_len)``."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(vocab_size, (steps, batch_size, seq_len + 1), generator=g)
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def shard_batch(batch, rank: int, world_size: int):
-    """Rank ``rank``'s rows of a global batch ``(x, y)``; the batch must split evenly."""
-    x, y = batch
-    if x.shape[0] % world_size:
-        raise ValueError(f"batch size {x.shape[0]} does not split over {world_size} ranks: use a "
-                         f"multiple of {world_size}")
-    rows = x.shape[0] // world_size
-    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-
-
-def build_model(config: TransformerConfig, seed: int, device) -> TransformerLM:
-    """``TransformerLM(config)`` initialised from ``seed``; on a GPU, peak-memory tracking restarts
-    (from the memory in use, the model included)."""
-    torch.manual_seed(seed)
-    model = TransformerLM(config).to(device)
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return model
-
-
-def train_single(config: TransformerConfig, batches, optimizer_class=torch.optim.AdamW,
-                 optimizer_kwargs: dict | None = None, seed: int = 0, device="cpu") -> dict:
-    """Train ``TransformerLM(config)`` (initialised from ``seed``) on ``batches`` in this process.
-
-    Returns ``{"state": state_dict, "losses": [...], "step_seconds": [...]}`` (the state on the
-    CPU): what every distributed strategy must reproduce on the same data. On a GPU ``device``
-    it is also the one-GPU baseline a throughput comparison starts from.
-    """
-    model = build_model(config, seed, device)
-    opt = optimizer_class(model.parameters(), **(optimizer_kwargs or {}))
-    losses, seconds = [], []
-    for x, y in batches:
-        start = now(device)
-        _, loss = model(x.to(device), y.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        seconds.append(now(device) - start)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return {"state": state, "losses": losses, "step_seconds": seconds}
-
-
-def now(device) -> float:
-    """Wall-clock seconds, once the GPU has finished its queued work (so a step is timed whole)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def memory_report(model: nn.Module, optimizer) -> dict[str, int]:
-    """Bytes this rank holds in parameters, gradients and optimizer state.
-
-    Tensors are counted by their storage, once each: a parameter that is a view into a flat
-    buffer counts as (its share of) that buffer, not twice. On a GPU, ``peak_allocated`` adds
-    the allocator's high-water mark since the last ``torch.cuda.reset_peak_memory_stats``
-    (activations and temporary buffers included).
-    """
-    params = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
-    out = {"params": storage_bytes(params),
-           "grads": storage_bytes([p.grad for p in params if p.grad is not None]),
-           "optimizer": storage_bytes(optimizer_tensors(optimizer))}
-    out["total"] = sum(out.values())
-    if params and params[0].is_cuda:
-        out["peak_allocated"] = torch.cuda.max_memory_allocated(params[0].device)
-    return out
-
-
-def mean_over_ranks(value: float, device) -> float:
-    """The mean of a scalar over all ranks (for reporting; not counted as training traffic)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
-
-
-# ---------------------------------------------------------------------------------------------
-# Data parallelism
-
 
 def broadcast_parameters(module: nn.Module, src: int = 0, group=None):
     """Make every rank's parameters and buffers equal to rank ``src``'s."""
@@ -232,8 +131,10 @@ class GradBuckets:
     is launched only after buckets ``0 .. i-1``: a bucket that fills early waits for its turn.
     """
 
-    def __init__(self, params: list[nn.Parameter], bucket_size_mb: float, launch=None, pad_to: int = 1):
-        limit = max(int(bucket_size_mb * 2**20), 1)
+    def __init__(self, params: list[nn.Parameter], bucket_size_mb: float | None, launch=None, pad_to: int = 1):
+        # None: no limit, so one bucket holds every gradient (its collective starts only once
+        # backward has produced the last of them, i.e. no overlap: the naive schedule in one message).
+        limit = float("inf") if bucket_size_mb is None else max(int(bucket_size_mb * 2**20), 1)
         self.buckets: list[Bucket] = []
         current, size = [], 0
         for p in reversed(params):  # backward finishes the last layers' gradients first
@@ -291,11 +192,12 @@ class DDP(nn.Module):
 
     Usage per step: ``loss = ddp(x, y)[1]; loss.backward(); ddp.finish_gradient_sync();
     opt.step(); opt.zero_grad()``. After the sync each ``p.grad`` is a view into its bucket's
-    averaged flat buffer (no second copy). ``find_unused_parameters`` as in :class:`NaiveDDP`:
-    off, the step never waits on the host (a parameter without a gradient contributes zeros).
+    averaged flat buffer (no second copy). ``bucket_size_mb=None`` puts every gradient in one
+    bucket. ``find_unused_parameters`` as in :class:`NaiveDDP`: off, the step never waits on the
+    host (a parameter without a gradient contributes zeros).
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25, group=None,
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None = 25, group=None,
                  find_unused_parameters: bool = False):
         super().__init__()
         self.module, self.group = module, group
@@ -327,13 +229,12 @@ class DDP(nn.Module):
 
 def train_ddp(rank: int, world_size: int, config: TransformerConfig, batches, mode: str = "bucketed",
               optimizer_class=torch.optim.AdamW, optimizer_kwargs: dict | None = None,
-              bucket_size_mb: float = 25, seed: int = 0) -> dict:
+              bucket_size_mb: float | None = 25, seed: int = 0) -> dict:
     """Rank function: data-parallel training of ``TransformerLM(config)`` on ``batches``.
 
     Each rank builds the model from a *different* seed on purpose: the broadcast from rank 0 has
-    to make them equal. ``mode`` is ``"naive"`` or ``"bucketed"``. Returns the final state
-    (rank 0), the mean loss and the seconds of each step, the bytes this rank sent in the last
-    step and its memory.
+    to make them equal. ``mode`` is ``"naive"`` or ``"bucketed"``. Returns what
+    :func:`lmfs.parallel.common.train_on_rank` returns, the final state on rank 0 only.
     """
     if mode not in ("naive", "bucketed"):
         raise ValueError(f"mode={mode!r}: use 'naive' or 'bucketed'")
@@ -341,18 +242,13 @@ def train_ddp(rank: int, world_size: int, config: TransformerConfig, batches, mo
     model = build_model(config, seed + rank, device)
     ddp = NaiveDDP(model) if mode == "naive" else DDP(model, bucket_size_mb)
     opt = optimizer_class(model.parameters(), **(optimizer_kwargs or {}))
-    losses, seconds = [], []
-    for batch in batches:
-        start = now(device)
+
+    def step(batch):
         x, y = (t.to(device) for t in shard_batch(batch, rank, world_size))
-        with comm.count_bytes() as sent:
-            _, loss = ddp(x, y)
-            loss.backward()
-            ddp.finish_gradient_sync()
-        opt.step()
-        memory = memory_report(model, opt)
-        opt.zero_grad(set_to_none=True)
-        seconds.append(now(device) - start)
-        losses.append(mean_over_ranks(loss.item(), device))
-    return {"state": model.state_dict() if rank == 0 else None, "losses": losses,
-            "step_seconds": seconds, "bytes_per_step": sent.summary(), "memory": memory}
+        _, loss = ddp(x, y)
+        loss.backward()
+        ddp.finish_gradient_sync()
+        return loss / world_size  # the slices are equal: the global mean is the mean of theirs
+
+    return train_on_rank(model, opt, batches, step, device,
+                         final_state=lambda: model.state_dict() if rank == 0 else None)

@@ -28,7 +28,7 @@ from torch import nn
 
 from lmfs.nn import GatedMLP, Linear
 from lmfs.parallel import comm
-from lmfs.parallel.ddp import memory_report, now
+from lmfs.parallel.common import shard_batch, train_on_rank
 from lmfs.parallel.launch import device_for
 
 
@@ -172,19 +172,24 @@ def build_moe(d_model: int, d_ff: int, n_experts: int, top_k: int, seed: int = 0
 def train_moe_single(batches, d_model: int, d_ff: int, n_experts: int, top_k: int,
                      optimizer_class=torch.optim.AdamW, optimizer_kwargs: dict | None = None,
                      seed: int = 0) -> dict:
-    """The single-process reference: mean squared error of ``MoE(x)`` against the target."""
+    """The single-process reference: mean squared error of ``MoE(x)`` against the target.
+
+    Returns what :func:`lmfs.parallel.common.train_on_rank` returns, plus the first step's output.
+    """
     moe = build_moe(d_model, d_ff, n_experts, top_k, seed)
     opt = optimizer_class(moe.parameters(), **(optimizer_kwargs or {}))
-    first_output, losses = None, []
-    for x, target in batches:
+    outputs = []
+
+    def step(batch):
+        x, target = batch
         out = moe(x)
-        first_output = out.detach() if first_output is None else first_output
+        outputs.append(out.detach())
         loss = F.mse_loss(out, target)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {"state": moe.state_dict(), "losses": losses, "first_output": first_output}
+        return loss
+
+    result = train_on_rank(moe, opt, batches, step, "cpu", final_state=moe.state_dict, distributed=False)
+    return result | {"first_output": outputs[0]}
 
 
 def train_expert_parallel(rank: int, world_size: int, batches, d_model: int, d_ff: int, n_experts: int,
@@ -192,34 +197,27 @@ def train_expert_parallel(rank: int, world_size: int, batches, d_model: int, d_f
                           optimizer_kwargs: dict | None = None, seed: int = 0) -> dict:
     """Rank function: each rank takes its ``1/n`` of every batch's tokens and ``E/n`` experts.
 
-    Returns this rank's slice of the first step's output, its parameters under full-model names,
-    the losses and seconds per step, the bytes sent in the last step and its memory.
+    Returns what :func:`lmfs.parallel.common.train_on_rank` returns (the state: the router and
+    this rank's experts under their full-model names), plus this rank's slice of the first step's
+    output.
     """
     device = device_for(rank)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     moe = ExpertParallelMoE(build_moe(d_model, d_ff, n_experts, top_k, seed).to(device))
     opt = optimizer_class(moe.parameters(), **(optimizer_kwargs or {}))
-    first_output, losses, seconds = None, [], []
-    for x, target in batches:
-        start = now(device)
-        rows = x.shape[0] // world_size
-        mine = slice(rank * rows, (rank + 1) * rows)
-        x, target = x[mine].to(device), target[mine].to(device)
-        with comm.count_bytes() as sent:
-            out = moe(x)
-            # This rank's share of the mean over all ranks' tokens: the shares sum to the loss.
-            share = F.mse_loss(out, target) / world_size
-            share.backward()
-            for p in moe.router.parameters():
-                comm.all_reduce(p.grad, group=moe.group)
-        first_output = out.detach() if first_output is None else first_output
-        opt.step()
-        memory = memory_report(moe, opt)
-        opt.zero_grad(set_to_none=True)
-        loss = share.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item())
-        seconds.append(now(device) - start)
-    return {"state": moe.full_state(), "losses": losses, "step_seconds": seconds,
-            "first_output": first_output, "bytes_per_step": sent.summary(), "memory": memory}
+    outputs = []
+
+    def step(batch):
+        x, target = (t.to(device) for t in shard_batch(batch, rank, world_size))
+        out = moe(x)
+        outputs.append(out.detach())
+        # This rank's share of the mean over all ranks' tokens: the shares sum to the loss.
+        share = F.mse_loss(out, target) / world_size
+        share.backward()
+        for p in moe.router.parameters():  # replicated, saw only this rank's tokens
+            comm.all_reduce(p.grad, group=moe.group)
+        return share
+
+    result = train_on_rank(moe, opt, batches, step, device, final_state=moe.full_state)
+    return result | {"first_output": outputs[0]}

@@ -8,9 +8,10 @@ laptop to thousands of GPUs. :func:`run` hides the plumbing::
     results = run(demo_collectives, 4)         # one return value per rank, tensors on the CPU
 
 Single machine (a notebook, a script): :func:`run` spawns the workers itself. It picks a free TCP
-port on 127.0.0.1 for the rendezvous (``MASTER_ADDR``/``MASTER_PORT``), uses NCCL with one
-process per GPU when there are at least ``world_size`` GPUs and gloo on the CPU otherwise, builds
-the process group around the function and tears it down after.
+port on 127.0.0.1 for the rendezvous (``MASTER_ADDR``/``MASTER_PORT``), asks :func:`placement`
+for the backend (NCCL with one process per GPU when there are at least ``world_size`` GPUs, gloo
+on the CPU otherwise, and why), builds the process group around the function and tears it down
+after.
 
 Several machines, or a cluster scheduler: launch a script with ``torchrun``, which starts the
 processes and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``::
@@ -35,6 +36,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,22 +58,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def choose_backend(world_size: int, backend: str = "auto") -> str:
-    """``"nccl"`` when there are at least ``world_size`` GPUs (one process each), else ``"gloo"``.
+@dataclass(frozen=True)
+class Placement:
+    """Where ``world_size`` ranks run: ``backend`` (``"nccl"`` or ``"gloo"``), the ``device`` type
+    each rank computes on (``"cuda"``: its own GPU; ``"cpu"``), and the ``reason`` for the choice."""
 
-    ``"auto"`` first reads the environment variable ``LMFS_DIST_BACKEND`` (``gloo`` keeps CPU
-    processes even on a GPU machine, e.g. for checks that compare with CPU results).
+    world_size: int
+    backend: str
+    device: str
+    reason: str
+
+    def __str__(self) -> str:
+        where = "one GPU per rank" if self.device == "cuda" else "CPU processes"
+        return f"{self.world_size} ranks, backend {self.backend} ({where}): {self.reason}"
+
+
+def placement(world_size: int, backend: str = "auto", ranks_per_node: int | None = None) -> Placement:
+    """Decide how ``world_size`` ranks run: NCCL with one GPU per rank when this machine has a
+    GPU for each of its ranks, gloo on the CPU otherwise (for instance 2 ranks on a 1-GPU machine).
+
+    ``ranks_per_node``: how many of the ranks run on this machine (under ``torchrun``,
+    ``LOCAL_WORLD_SIZE``); all of them by default. ``backend="auto"`` first reads the environment
+    variable ``LMFS_DIST_BACKEND`` (``gloo`` keeps CPU processes even on a GPU machine, e.g. for
+    checks that compare with CPU results). :func:`run` and the lectures ask here, so they agree.
     """
+    local = world_size if ranks_per_node is None else ranks_per_node
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         backend = os.environ.get("LMFS_DIST_BACKEND", "auto") or "auto"
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        if backend != "auto":
+            reason = f"LMFS_DIST_BACKEND={backend}"
+        elif gpus >= local:
+            backend, reason = "nccl", f"{gpus} GPUs for {local} ranks"
+        else:
+            backend = "gloo"
+            reason = (f"{gpus} GPU{'s' if gpus != 1 else ''} for {local} ranks: NCCL needs one GPU per "
+                      "rank, so the ranks are CPU processes")
+    else:
+        reason = f"backend={backend!r} asked for"
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r} (argument or LMFS_DIST_BACKEND): use 'auto', 'nccl' or 'gloo'")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: {world_size} ranks but "
-                         f"{torch.cuda.device_count()} GPUs visible; use backend='gloo' or fewer ranks")
-    return backend
+    if backend == "nccl" and gpus < local:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {local} ranks on this machine but "
+                         f"{gpus} GPUs visible; use backend='gloo' (CPU processes) or fewer ranks")
+    return Placement(world_size, backend, "cuda" if backend == "nccl" else "cpu", reason)
 
 
 def device_for(rank: int) -> torch.device:
@@ -148,10 +178,11 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout):
     created = not dist.is_initialized()
     if created:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        where = placement(world_size, backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        if rank == 0:
+            print(f"lmfs.parallel.run under torchrun: {where}", flush=True)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        _init_process_group(backend, rank, world_size, timeout, local_rank)
+        _init_process_group(where.backend, rank, world_size, timeout, local_rank)
     try:
         value = _to_cpu(fn(rank, world_size, *args, **kwargs))
         everyone = [None] * world_size
@@ -184,9 +215,9 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = 60, 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     _check_importable(fn)
-    backend = choose_backend(world_size, backend)
-    where = "one GPU per rank" if backend == "nccl" else "CPU processes"
-    print(f"lmfs.parallel.run: {world_size} ranks, backend {backend} ({where})", flush=True)
+    where = placement(world_size, backend)
+    backend = where.backend
+    print(f"lmfs.parallel.run: {where}", flush=True)
 
     ctx = mp.get_context("spawn")
     for attempt in (1, 2):

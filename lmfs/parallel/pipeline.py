@@ -36,7 +36,7 @@ from torch import nn
 
 from lmfs.nn import TransformerConfig, TransformerLM
 from lmfs.parallel import comm
-from lmfs.parallel.ddp import build_model, memory_report, now
+from lmfs.parallel.common import build_model, train_on_rank
 from lmfs.parallel.launch import device_for
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
@@ -353,9 +353,9 @@ def train_pipeline(rank: int, world_size: int, config: TransformerConfig, batche
                    optimizer_kwargs: dict | None = None, seed: int = 0) -> dict:
     """Rank function: rank ``r`` is stage ``r``; every rank gets the same global ``batches``.
 
-    Returns this stage's final parameters under their full-model names, the losses (from the
-    last stage) and seconds per step, the last step's timeline, micro-batches in flight and bytes
-    sent, and this rank's memory.
+    Returns what :func:`lmfs.parallel.common.train_on_rank` returns (the state: this stage's
+    parameters under their full-model names), plus the last step's ``timeline`` and
+    ``max_in_flight``, the most micro-batches whose activations this stage held at once.
     """
     if schedule == "naive":
         micro_batches = 1
@@ -365,29 +365,25 @@ def train_pipeline(rank: int, world_size: int, config: TransformerConfig, batche
     del full  # a real pipeline never builds the other stages' layers
     opt = optimizer_class(stage.parameters(), **(optimizer_kwargs or {}))
     clock = Clock(device)
-    losses, seconds = [], []
-    for x, y in batches:
-        start = now(device)
-        x, y = x.to(device), y.to(device)
+    last = {}  # the last step's schedule, for the timeline
+
+    def step(batch):
+        x, y = (t.to(device) for t in batch)
         work = StageWork(stage, x, y, micro_batches)
         shape = (x.shape[0] // micro_batches, x.shape[1], config.d_model)
         links = StageLinks(rank, world_size, shape, next(stage.parameters()).dtype, device)
         dist.barrier()  # line the ranks' clocks up at the start of the step
         clock.start()
-        with comm.count_bytes() as sent:
-            events = run_schedule(schedule, work, links, micro_batches, clock)
-            _sync_tied_head(stage)
-        opt.step()
-        memory = memory_report(stage, opt)
-        opt.zero_grad(set_to_none=True)
-        loss = sum(work.losses).reshape(1) if stage.last else torch.zeros(1, device=device)
-        dist.all_reduce(loss)  # only the last stage contributes: this shares its loss for reporting
-        losses.append(loss.item())
-        seconds.append(now(device) - start)
-    timeline = [(kind, i, clock.seconds(a), clock.seconds(b)) for kind, i, a, b in events]
-    return {"state": stage.original_state(), "losses": losses, "step_seconds": seconds,
-            "timeline": timeline, "max_in_flight": work.max_in_flight,
-            "bytes_per_step": sent.summary(), "memory": memory}
+        last["events"] = run_schedule(schedule, work, links, micro_batches, clock)
+        last["work"] = work
+        _sync_tied_head(stage)
+        # Only the last stage has a loss: it contributes all of it.
+        return sum(work.losses) if stage.last else torch.zeros((), device=device)
+
+    out = train_on_rank(stage, opt, batches, step, device, final_state=stage.original_state)
+    out["timeline"] = [(kind, i, clock.seconds(a), clock.seconds(b)) for kind, i, a, b in last["events"]]
+    out["max_in_flight"] = last["work"].max_in_flight
+    return out
 
 
 class _SleepWork:

@@ -39,7 +39,7 @@ from torch import nn
 from lmfs.nn import CausalSelfAttention, GatedMLP, TransformerConfig, TransformerLM
 from lmfs.nn.layers import MLP
 from lmfs.parallel import comm
-from lmfs.parallel.ddp import build_model, memory_report, now
+from lmfs.parallel.common import build_model, train_on_rank
 from lmfs.parallel.launch import device_for
 
 # ---------------------------------------------------------------------------------------------
@@ -306,8 +306,9 @@ class TensorParallelAttention(nn.Module):
     attend_heads = CausalSelfAttention.attend_heads
     attend = CausalSelfAttention.attend
 
-    def forward(self, x):
-        return self.o_proj(self.heads(*self.qkv(x).split(self.qkv.local_splits, dim=-1)))
+    def forward(self, x, positions=None):
+        q, k, v = self.qkv(x).split(self.qkv.local_splits, dim=-1)
+        return self.o_proj(self.heads(q, k, v, positions))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         (ws, bs), (w_o, b_o) = self.qkv.full_weights(), self.o_proj.full_weights()
@@ -390,31 +391,26 @@ def train_tensor_parallel(rank: int, world_size: int, config: TransformerConfig,
                           optimizer_kwargs: dict | None = None, seed: int = 0) -> dict:
     """Rank function: every rank sees the whole batch and holds ``1/n`` of each block.
 
-    Returns the gathered final state (rank 0), the losses and seconds per step, the bytes sent
-    in the last step and this rank's memory.
+    Returns what :func:`lmfs.parallel.common.train_on_rank` returns, the gathered final state on
+    rank 0 only.
     """
     device = device_for(rank)
     model = tensor_parallel(build_model(config, seed, device), sequence_parallel=sequence_parallel)
     opt = optimizer_class(model.parameters(), **(optimizer_kwargs or {}))
-    losses, seconds = [], []
-    for x, y in batches:
-        start = now(device)
-        x, y = x.to(device), y.to(device)
-        with comm.count_bytes() as sent:
-            if sequence_parallel:
-                share = sequence_parallel_loss(model, x, y)
-                share.backward()
-                sync_sequence_parallel_grads(model)
-                loss = share.detach().clone()
-                dist.all_reduce(loss)  # for reporting only: the sum of the shares
-            else:
-                _, loss = model(x, y)
-                loss.backward()
-        opt.step()
-        memory = memory_report(model, opt)
-        opt.zero_grad(set_to_none=True)
-        seconds.append(now(device) - start)
-        losses.append(loss.item())
-    state = gather_full_state(model)
-    return {"state": state if rank == 0 else None, "losses": losses, "step_seconds": seconds,
-            "bytes_per_step": sent.summary(), "memory": memory}
+
+    def step(batch):
+        x, y = (t.to(device) for t in batch)
+        if sequence_parallel:
+            share = sequence_parallel_loss(model, x, y)
+            share.backward()
+            sync_sequence_parallel_grads(model)
+            return share
+        _, loss = model(x, y)  # the same full loss on every rank
+        loss.backward()
+        return loss / world_size
+
+    def final_state():
+        state = gather_full_state(model)  # a collective: every rank takes part
+        return state if rank == 0 else None
+
+    return train_on_rank(model, opt, batches, step, device, final_state)

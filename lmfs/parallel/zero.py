@@ -45,8 +45,8 @@ from torch import nn
 
 from lmfs.nn import Block, TransformerConfig
 from lmfs.parallel import comm
-from lmfs.parallel.ddp import (Bucket, GradBuckets, broadcast_parameters, build_model, mean_over_ranks,
-                               memory_report, now, shard_batch)
+from lmfs.parallel.common import build_model, shard_batch, train_on_rank
+from lmfs.parallel.ddp import Bucket, GradBuckets, broadcast_parameters
 from lmfs.parallel.launch import device_for
 
 
@@ -57,7 +57,7 @@ def _param_groups(params) -> list[dict]:
     return [{"params": params}]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around ``optimizer_class`` (any element-wise ``torch.optim`` optimizer).
 
     ``params`` are parameters or param groups, as for a torch optimizer; ``defaults`` go to
@@ -67,10 +67,17 @@ class ZeroOptimizer:
 
     Stage 2 reduce-scatters each bucket during backward (hooks) and frees the full gradients
     as soon as they are copied; stage 1 all-reduces everything in :meth:`step`. A parameter no
-    rank computed a gradient for is treated as having a zero gradient.
+    rank computed a gradient for is treated as having a zero gradient. ``bucket_size_mb=None``
+    makes one bucket per param group.
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups`` are the inner optimizer's (each
+    holding this rank's flat shards), so torch's learning-rate schedulers drive it. Checkpoints
+    are per rank: :meth:`state_dict` holds this rank's shard of the optimizer state, and
+    :meth:`load_state_dict` accepts only a state saved by the same rank of the same layout (the
+    model's parameters are saved as usual, with ``model.state_dict()``).
     """
 
-    def __init__(self, params, optimizer_class, stage: int = 1, bucket_size_mb: float = 25,
+    def __init__(self, params, optimizer_class, stage: int = 1, bucket_size_mb: float | None = 25,
                  group=None, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, got stage={stage}; "
@@ -92,6 +99,10 @@ class ZeroOptimizer:
             options = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({**options, "params": [b.shard for b in buckets.buckets]})
         self.inner = optimizer_class(inner_groups, **defaults)
+        # The outer optimizer's groups are the inner one's (the same dicts): a scheduler that sets
+        # group["lr"] here sets it for the inner step. Its state is the inner one's too.
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self.state = self.inner.state
 
     def _flatten(self, b: Bucket):
         """Move the bucket's parameters into one flat buffer; this rank's 1/n is its ``shard``.
@@ -113,14 +124,6 @@ class ZeroOptimizer:
     def buckets(self) -> list[Bucket]:
         return [b for bk in self.bucketers for b in bk.buckets]
 
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
     def _reduce_scatter(self, b: Bucket):
         # Stage 2, inside backward: this bucket's gradients are complete on this rank. Everyone
         # sends each owner the pieces it owns; the owner receives the sum (pre-divided: the mean).
@@ -129,7 +132,10 @@ class ZeroOptimizer:
         return comm.reduce_scatter_into(b.reduced, b.grads, group=self.group, async_op=True)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
+        """Reduce the gradients, step this rank's shards, all-gather the updated parameters."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step takes no closure: call loss.backward() before step()")
         if self.stage == 1:
             works = []
             for b in self.buckets:
@@ -166,6 +172,37 @@ class ZeroOptimizer:
             b.shard.grad = None
             for p in b.params:
                 p.grad = None
+
+    def _layout(self) -> list[list[int]]:
+        """Per param group, the flat length of each bucket: the shards' shape depends on it."""
+        return [[b.numel for b in bk.buckets] for bk in self.bucketers]
+
+    def state_dict(self) -> dict:
+        """This rank's checkpoint: its shard of the optimizer state, the learning-rate settings of
+        the groups, and where it belongs (rank, world size, stage, bucket layout)."""
+        return {"rank": self.rank, "world_size": self.n, "stage": self.stage, "layout": self._layout(),
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved on this same rank (each rank loads its own file)."""
+        missing = {"rank", "world_size", "stage", "layout", "inner"} - set(state_dict)
+        if missing:
+            raise ValueError(f"not a ZeroOptimizer checkpoint (no {sorted(missing)}): save it with "
+                             "ZeroOptimizer.state_dict() on every rank, one file per rank")
+        saved = (state_dict["rank"], state_dict["world_size"])
+        if saved != (self.rank, self.n):
+            raise ValueError(f"this checkpoint holds rank {saved[0]}'s shard of a {saved[1]}-rank run, "
+                             f"but this is rank {self.rank} of {self.n}: load each rank's own file "
+                             "(e.g. f'zero-rank{rank}.pt') into the same number of ranks")
+        if state_dict["stage"] != self.stage or state_dict["layout"] != self._layout():
+            raise ValueError(f"the checkpoint's shards were cut for stage {state_dict['stage']} and "
+                             f"bucket sizes {state_dict['layout']}, this optimizer has stage {self.stage} "
+                             f"and {self._layout()}: build it with the same model, param groups, stage "
+                             "and bucket_size_mb as the run that saved it")
+        self.inner.load_state_dict(state_dict["inner"])
+        # The inner optimizer replaced its group dicts with the loaded ones: share them again.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,40 +368,35 @@ class FullyShardedModel(nn.Module):
 
 def train_zero(rank: int, world_size: int, config: TransformerConfig, batches, stage: int,
                optimizer_class=torch.optim.AdamW, optimizer_kwargs: dict | None = None,
-               bucket_size_mb: float = 25, compute_dtype: torch.dtype | None = None,
+               bucket_size_mb: float | None = 25, compute_dtype: torch.dtype | None = None,
                seed: int = 0) -> dict:
     """Rank function: data-parallel training with ZeRO ``stage`` 1, 2 or 3.
 
-    Returns, like :func:`lmfs.parallel.ddp.train_ddp`, the full final state (rank 0), mean losses,
-    seconds per step, the bytes sent in the last step and this rank's memory for parameters,
-    gradients and optimizer state. ``compute_dtype`` applies to stage 3 only.
+    Returns, like :func:`lmfs.parallel.ddp.train_ddp`, what :func:`lmfs.parallel.common.train_on_rank`
+    returns, the full final state on rank 0 only. ``compute_dtype`` applies to stage 3 only.
     """
     device = device_for(rank)
     model = build_model(config, seed + rank, device)  # different per rank; ZeRO broadcasts rank 0's
     kwargs = optimizer_kwargs or {}
     if stage == 3:
-        wrapped = FullyShardedModel(model, compute_dtype=compute_dtype)
-        opt = optimizer_class(wrapped.parameters(), **kwargs)
-        forward, counted = wrapped, wrapped
+        forward = FullyShardedModel(model, compute_dtype=compute_dtype)
+        opt = optimizer_class(forward.parameters(), **kwargs)
     elif stage in (1, 2):
         if compute_dtype is not None:
             raise ValueError("compute_dtype (mixed precision) is implemented for stage 3 only")
+        forward = model
         opt = ZeroOptimizer(model.parameters(), optimizer_class, stage, bucket_size_mb, **kwargs)
-        forward, counted = model, model
     else:
         raise ValueError(f"stage={stage}: use 1, 2 or 3")
-    losses, seconds = [], []
-    for batch in batches:
-        start = now(device)
+
+    def step(batch):  # the gradient communication happens in backward (hooks) and in opt.step()
         x, y = (t.to(device) for t in shard_batch(batch, rank, world_size))
-        with comm.count_bytes() as sent:
-            _, loss = forward(x, y)
-            loss.backward()
-            opt.step()
-        memory = memory_report(counted, opt)
-        opt.zero_grad(set_to_none=True)
-        seconds.append(now(device) - start)
-        losses.append(mean_over_ranks(loss.item(), device))
-    state = wrapped.full_state_dict() if stage == 3 else model.state_dict()
-    return {"state": state if rank == 0 else None, "losses": losses, "step_seconds": seconds,
-            "bytes_per_step": sent.summary(), "memory": memory}
+        _, loss = forward(x, y)
+        loss.backward()
+        return loss / world_size
+
+    def final_state():
+        state = forward.full_state_dict() if stage == 3 else model.state_dict()  # stage 3: a collective
+        return state if rank == 0 else None
+
+    return train_on_rank(forward, opt, batches, step, device, final_state)

@@ -167,7 +167,9 @@ def _count_chunk(args: tuple[str, int, int, tuple[str, ...]]) -> Counter[str]:
     path, start, end, special_tokens = args
     with open(path, "rb") as f:
         f.seek(start)
-        text = f.read(end - start).decode("utf-8")
+        # Invalid UTF-8 becomes U+FFFD. Chunks are cut before a special token or after an ASCII
+        # newline, never inside a character, so this equals decoding the whole file at once.
+        text = f.read(end - start).decode("utf-8", errors="replace")
     return count_pretokens(text, special_tokens)
 
 
@@ -189,9 +191,13 @@ def count_pretokens_in_file(path: str | os.PathLike, special_tokens: Sequence[st
 
     The file is cut into chunks of about ``chunk_bytes`` (at least one per worker), so no process
     ever holds more than one chunk in memory; each worker returns a Counter and the Counters are
-    added up here. ``num_workers=1`` counts in this process, without a pool.
+    added up here. ``num_workers=1`` counts in this process, without a pool. Bytes that are not
+    valid UTF-8 are read as U+FFFD, the replacement character.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"training file {path} is a directory: pass one text file "
+                                "(concatenate several files into one, e.g. with `cat`)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"training file not found: {path}")
     num_workers = max(1, num_workers or os.cpu_count() or 1)

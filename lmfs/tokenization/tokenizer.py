@@ -40,6 +40,15 @@ from lmfs.tokenization.train import merge_word
 MERGES_HEADER = "#lmfs-bpe merges: one merge per line, the two tokens as hex bytes, in rank order"
 
 
+def _check_str(text) -> None:
+    """Refuse bytes (and anything else that is not a str) with a message that names the fix."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        raise TypeError("Tokenizer.encode takes text (str), got bytes: decode them first, e.g. "
+                        "data.decode('utf-8', errors='replace'), or open files in text mode")
+    if not isinstance(text, str):
+        raise TypeError(f"Tokenizer.encode takes text (str), got {type(text).__name__}")
+
+
 class _PretokenCache(dict):
     """pre-token string -> token ids; a missing entry is computed by BPE on first use."""
 
@@ -106,7 +115,7 @@ class Tokenizer:
                                  f"vocabulary: {err.args[0]!r}") from None
             self._ranks.setdefault(pair, rank)
             self._merged.setdefault(pair, merged)
-        self._cache = _PretokenCache(self._bpe)
+        self._cache = _PretokenCache(self.encode_pretoken)
 
     @property
     def vocab_size(self) -> int:
@@ -119,11 +128,11 @@ class Tokenizer:
     # ------------------------------------------------------------------------------------------
     # Encoding
 
-    def _bpe(self, piece: str) -> list[int]:
+    def encode_pretoken(self, piece: str) -> list[int]:
         """BPE inside one pre-token: apply the lowest-ranked merge present, until none applies.
 
         >>> vocab = {i: bytes([i]) for i in range(256)} | {256: b"ab", 257: b"abc"}
-        >>> Tokenizer(vocab, [(b"a", b"b"), (b"ab", b"c")])._bpe("abcab")
+        >>> Tokenizer(vocab, [(b"a", b"b"), (b"ab", b"c")]).encode_pretoken("abcab")
         [257, 256]
         """
         ids = [self._byte_ids[b] for b in piece.encode("utf-8")]
@@ -153,6 +162,7 @@ class Tokenizer:
         >>> tok.encode("hi<|endoftext|>")
         [104, 105, 256]
         """
+        _check_str(text)
         if self._special_re is None:
             return self._encode_pieces(find_pretokens(text))
         ids: list[int] = []
@@ -175,6 +185,7 @@ class Tokenizer:
         parts: list[str] = []
         size = 0
         for chunk in iterable:
+            _check_str(chunk)
             parts.append(chunk)
             size += len(chunk)
             if size >= buffer_chars:

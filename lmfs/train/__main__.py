@@ -3,8 +3,11 @@
     python -m lmfs.train --corpus stories --mb 1 --vocab-size 1000 --d-model 128 --layers 2 \\
         --heads 4 --steps 200 --batch-size 16 --context 128 [--device auto] [--out ckpt.pt]
 
-The corpus is tokenized once and cached (see :func:`lmfs.train.prepare_tokens`); ``--out``
-writes a checkpoint at the end, and ``--resume`` continues from it.
+The corpus is tokenized once and cached (see :func:`lmfs.train.prepare_tokens`). ``--out``
+writes a checkpoint every ``--checkpoint-every`` steps (by default a tenth of the run) and at the
+end, each time to a temporary file renamed over the previous one, so a run killed at any moment
+leaves a complete checkpoint; ``--resume`` continues from it to the same result as a run that was
+never stopped.
 """
 
 import argparse
@@ -35,11 +38,17 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="checkpoint file to write at the end")
+    parser.add_argument("--out", default=None, help="checkpoint file, written periodically and at the end")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="with --out: save every N steps (default: steps / 10; 0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from --out if it exists")
     args = parser.parse_args(argv)
     if args.resume and not args.out:
         parser.error("--resume needs --out, the checkpoint to continue from")
+    if args.checkpoint_every is not None and not args.out:
+        parser.error("--checkpoint-every needs --out, the file to save to")
+    if args.checkpoint_every is None:  # a killed run then loses at most a tenth of its steps
+        args.checkpoint_every = max(args.steps // 10, 1)
 
     seed_everything(args.seed)
     device = resolve_device(args.device)
@@ -52,6 +61,7 @@ def main(argv=None) -> None:
         warmup_steps=args.steps // 10 if args.warmup is None else args.warmup,
         eval_every=max(args.steps // 4, 1) if args.eval_every is None else args.eval_every,
         compile=args.compile, seed=args.seed, checkpoint_path=args.out,
+        checkpoint_every=args.checkpoint_every,
     )
     history = train(model, data.train, config, val_data=data.val, resume=args.resume)
     rate = history.tokens[-1] / history.seconds[-1]

@@ -211,8 +211,8 @@ def activation_checkpointing(model: torch.nn.Module):
         raise RuntimeError("these blocks are already checkpointed: do not nest activation_checkpointing")
 
     def recomputed(forward):
-        def run(*args):
-            return checkpoint(forward, *args, use_reentrant=False)
+        def run(*args, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return run
 
     for block in blocks:

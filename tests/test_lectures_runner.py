@@ -1,0 +1,106 @@
+"""The lecture table for the README and the HTML book, from run reports and executed notebooks."""
+
+import json
+import re
+
+import nbformat
+import pytest
+
+from lmfs.lectures import (LECTURES, TABLE_END, TABLE_START, build_book, format_seconds, lecture_table,
+                           load_runs, main, replace_block, run_lecture)
+
+
+def _lecture_notebook(path, body: str):
+    """A tiny stand-in for a lecture: a parameters cell and one code cell."""
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell("SCALE = 'auto'\nDEVICE = 'auto'")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# A lecture"), params, nbformat.v4.new_code_cell(body)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Lecture 01 (ok, with a plot) and lecture 02 (failing) executed by the runner into one folder."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("build")
+    _lecture_notebook(src / LECTURES[0].filename,
+                      "import matplotlib.pyplot as plt\nplt.plot([0, 1, 4])\nplt.show()\nprint('scale is', SCALE)")
+    _lecture_notebook(src / LECTURES[1].filename, "raise RuntimeError('lecture two broke')")
+    results = [run_lecture(src / lec.filename, out, scale="smoke", device="cpu", timeout=120) for lec in LECTURES[:2]]
+    report = {"scale": "smoke", "device": "cpu", "results": [r.__dict__ for r in results]}
+    (out / "lectures.json").write_text(json.dumps(report))
+    return out, results
+
+
+def test_runner_uses_ipc_not_tcp(executed, capfd):
+    # The kernel over TCP logs an unencrypted-transport warning to stderr at each start.
+    out, _ = executed
+    run_lecture(out / LECTURES[0].filename, out / "again", scale="smoke", device="cpu", timeout=120)
+    assert "without encryption" not in capfd.readouterr().err
+
+
+def test_book_renders_pages_and_index(executed, tmp_path):
+    out, results = executed
+    assert [r.status for r in results] == ["ok", "failed"]
+    entries = build_book(out, tmp_path / "book")
+    by_number = {e.lecture.number: e for e in entries}
+    assert len(entries) == len(LECTURES)
+    first, second = by_number["01"], by_number["02"]
+    assert (first.scale, first.status, second.status) == ("smoke", "ok", "failed")
+    assert first.seconds == pytest.approx(results[0].seconds, abs=5)
+    page = (tmp_path / "book" / first.page).read_text()
+    assert "scale is smoke" in page  # the executed output, not just the source
+    assert re.search(r'<img[^>]+src="data:image/png;base64,', page)  # the plot, embedded
+    assert 'href="index.html"' in page
+    assert "lecture two broke" in (tmp_path / "book" / second.page).read_text()
+    index = (tmp_path / "book" / "index.html").read_text()
+    rows = re.findall(r"<tr><td>(.*?)</td>.*?<td>(\w*)</td><td class=\"[\w-]+\">([\w ]+)</td>", index)
+    assert len(rows) == len(LECTURES)
+    assert rows[0] == (f'<a href="{first.page}">01 {LECTURES[0].title}</a>', "smoke", "ok")
+    assert rows[1][2] == "failed"
+    planned = [lec for lec in LECTURES if lec.status == "planned"]
+    assert sum(r[2] == "planned" for r in rows) == len(planned)
+    assert {r[2] for r in rows[2:]} <= {"planned", "not run"}
+
+
+def test_book_without_notebooks_says_what_to_run(tmp_path):
+    with pytest.raises(SystemExit, match="make lectures"):
+        build_book(tmp_path, tmp_path / "book")
+
+
+def test_table_from_runs(tmp_path):
+    smoke = {"scale": "smoke", "device": "cpu", "results": [
+        {"lecture": LECTURES[0].stem, "status": "ok", "seconds": 21.4},
+        {"lecture": LECTURES[1].stem, "status": "failed", "seconds": 65.0},
+        {"lecture": "nb", "status": "ok", "seconds": 1.0}]}  # not a lecture: ignored
+    full = {"scale": "full", "device": "cuda", "results": [{"lecture": LECTURES[0].stem, "status": "ok", "seconds": 185}]}
+    paths = [tmp_path / "smoke.json", tmp_path / "full.json"]
+    for path, report in zip(paths, (smoke, full)):
+        path.write_text(json.dumps(report))
+    table = lecture_table(load_runs(paths)).splitlines()
+    assert len(table) == 2 + len(LECTURES)
+    assert table[2] == f"| 01 {LECTURES[0].title} | {LECTURES[0].builds} | runs | 21 s (cpu) | 3 min 05 s (cuda) |"
+    assert table[3].endswith("| fails at smoke | 1 min 05 s (cpu), failed |  |")
+    for lec, row in zip(LECTURES, table[2:]):
+        if lec.status == "planned":
+            assert "| planned |" in row
+        elif lec.number not in ("01", "02"):
+            assert "| not run |" in row
+    assert (format_seconds(59.6), format_seconds(60)) == ("1 min 00 s", "1 min 00 s")
+
+
+def test_table_update_replaces_only_the_block(tmp_path, capsys):
+    report = tmp_path / "lectures.json"
+    report.write_text(json.dumps({"scale": "smoke", "device": "cpu", "results": []}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\ntext before\n{TABLE_START}\nold table\n{TABLE_END}\ntext after\n")
+    assert main(["table", "--from", str(report), "--update", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# Title\n\ntext before\n")
+    assert text.endswith(f"{TABLE_END}\ntext after\n")
+    assert lecture_table({}) in text
+    main(["table", "--from", str(report), "--update", str(readme)])
+    assert readme.read_text() == text  # idempotent
+    with pytest.raises(ValueError, match="lectures:start"):
+        replace_block("no markers here", "x")

@@ -1,0 +1,53 @@
+"""lmfs.results: measured results read from results/<device>/<name>.json."""
+
+import json
+
+import lmfs.results
+from lmfs.results import RESULTS_DIR, load_result
+
+
+def test_load_result_reads_the_json_of_a_device(tmp_path, monkeypatch):
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "kernels.json").write_text(json.dumps({"device": "NVIDIA H200", "ops": {"softmax": {}}}))
+    monkeypatch.setattr(lmfs.results, "RESULTS_DIR", tmp_path)
+    assert load_result("kernels") == {"device": "NVIDIA H200", "ops": {"softmax": {}}}
+    assert load_result("kernels", device="h200")["device"] == "NVIDIA H200"
+
+
+def test_a_missing_result_is_a_printed_note_naming_the_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lmfs.results, "RESULTS_DIR", tmp_path)
+    assert load_result("attention") is None
+    note = capsys.readouterr().out
+    assert "attention.json" in note and "python -m lmfs.benchmarks attention --json results/h200/attention.json" in note
+    (tmp_path / "b200").mkdir()
+    (tmp_path / "b200" / "attention.json").write_text("{}")
+    assert load_result("attention", device="h200") is None
+    assert "kept results: b200/attention.json" in capsys.readouterr().out
+
+
+def test_results_dir_is_at_the_repository_root():
+    assert RESULTS_DIR.parent == lmfs.results.Path(lmfs.__file__).resolve().parent.parent
+    assert (RESULTS_DIR.parent / "lmfs" / "results.py").is_file()
+
+
+def test_every_kept_result_loads_and_says_where_it_ran():
+    for path in sorted(RESULTS_DIR.glob("*/*.json")):
+        result = load_result(path.stem, device=path.parent.name)
+        assert isinstance(result, dict) and result.get("device"), f"{path}: no 'device' field"
+
+
+def test_kernel_and_attention_results_have_what_lecture_06_reads():
+    # The fields lecture 06 quotes; checked on whichever of the two files are kept.
+    kernels, attention = (json.loads(p.read_text()) if p.is_file() else None
+                          for p in (RESULTS_DIR / "h200" / "kernels.json", RESULTS_DIR / "h200" / "attention.json"))
+    if kernels is not None:
+        assert kernels["copy_bandwidth"] > 0 and "triton" in kernels
+        for op, built_in in {"GeLU (tanh)": "torch F.gelu", "softmax": "torch.softmax",
+                             "RMSNorm": "torch F.rms_norm"}.items():
+            assert {built_in, "lmfs triton", "torch written out"} <= set(kernels["ops"][op])
+            assert all(r["fwd_GBps"] > 0 for r in kernels["ops"][op].values())
+    if attention is not None:
+        assert "triton" in attention and attention["rows"]
+        for row in attention["rows"]:
+            assert {"causal", "head_dim", "seq_len", "lmfs_fwd", "lmfs_fwdbwd", "sdpa_fwd", "sdpa_fwdbwd",
+                    "naive_fwd", "naive_fwdbwd", "sdpa_fwd_backend", "sdpa_fwdbwd_backend"} <= set(row)
