@@ -27,7 +27,10 @@ export PYTHONUNBUFFERED=1
 if ls .wheelhouse/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .wheelhouse/*.whl \
     || { echo "wheelhouse install failed"; exit 1; }
-  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+  # pip --target leaves out a wheel's data files; nbconvert keeps its HTML templates there
+  # (share/jupyter/nbconvert/templates), so unpack them and point Jupyter at them.
+  python3 scripts/wheel_data.py "$SITE/share/jupyter" .wheelhouse/*.whl || { echo "wheel data unpack failed"; exit 1; }
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH" JUPYTER_PATH="$SITE/share/jupyter"
 else
   echo "no .wheelhouse/ here: run 'make wheelhouse' on a machine with network and carry it" >&2
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

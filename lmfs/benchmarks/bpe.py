@@ -15,8 +15,12 @@ Two texts of ``--mb`` MiB each are written to a temporary folder: synthetic stor
    cache, then again with a full one) against a ``tiktoken.Encoding`` built offline from lmfs's own
    merges (``mergeable_ranks`` = token bytes -> id, GPT-2 pattern, the special token).
 3. Agreement: (a) lmfs's ids equal tiktoken's on the whole text; (b) lmfs's merges against HF's,
-   plus a replay of HF's input handling and tie-break with lmfs's trainer, which shows where the
-   differences come from (see :func:`hf_replay`).
+   plus a replay of HF's input handling and tie-break with lmfs's merge loop, which shows where
+   the differences come from (see :func:`hf_replay`).
+
+The Hugging Face and tiktoken versions are built by :mod:`lmfs.tokenization.hf`, which lecture 01
+uses too; :func:`learn_merges_with_ties`, the merge loop with another tie-break rule, exists only
+for the replay and lives here.
 4. Memory: peak resident-memory growth of ``encode_iterable`` over an open file, for the base file
    and for a file 10 times larger (written, measured, then deleted).
 """

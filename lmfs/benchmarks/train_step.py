@@ -460,7 +460,7 @@ _FIELDS = [f.name for f in dataclasses.fields(Variant)]
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m lmfs.benchmarks.train_step", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmfs.benchmarks train-step", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed steps (after warm-up)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 16 on GPU)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
