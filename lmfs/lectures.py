@@ -47,14 +47,14 @@ class Lecture:
         return f"{self.stem}.ipynb"
 
 
-# The seventeen lectures, named as in SYLLABUS.md.
+# The seventeen lectures of the course, in order.
 LECTURES = [
     Lecture("01", "01_overview_tokenization", "Overview and tokenization", "lmfs.tokenization: byte-level BPE trainer and tokenizer"),
-    Lecture("02", "02_pytorch_resource_accounting", "PyTorch and resource accounting", "lmfs.accounting, lmfs.optim, training-loop pieces"),
-    Lecture("03", "03_architectures_hyperparameters", "Architectures and hyperparameters", "lmfs.nn: configurable Transformer LM, HF Llama conversion"),
+    Lecture("02", "02_pytorch_resource_accounting", "PyTorch and resource accounting", "lmfs.accounting, lmfs.bench.memory, lmfs.optim, lmfs.train: FLOPs, memory, optimizers, the loop"),
+    Lecture("03", "03_architectures_hyperparameters", "Architectures and hyperparameters", "lmfs.nn: configurable Transformer LM, HF Llama conversion; lmfs.train.experiments"),
     Lecture("04", "04_mixture_of_experts", "Mixture of experts", "lmfs.nn.moe: routers, experts, balancing losses", "planned"),
-    Lecture("05", "05_gpus", "GPUs", "lmfs.bench: timers, bandwidth/matmul probes, roofline, wave quantisation"),
-    Lecture("06", "06_kernels_triton", "Kernels and Triton", "lmfs.kernels: Triton GeLU, softmax, RMSNorm, FlashAttention-2"),
+    Lecture("05", "05_gpus", "GPUs", "lmfs.bench, lmfs.hardware: timers, bandwidth/matmul probes, roofline, wave quantisation"),
+    Lecture("06", "06_kernels_triton", "Kernels and Triton", "lmfs.kernels: Triton GeLU, softmax, RMSNorm, FlashAttention-2; fuse_model"),
     Lecture("07", "07_parallelism_1", "Parallelism 1", "lmfs.parallel: launcher, collectives, bandwidth, cost calculator"),
     Lecture("08", "08_parallelism_2", "Parallelism 2", "lmfs.parallel: DDP, ZeRO/FSDP, tensor, pipeline, expert, ring attention"),
     Lecture("09", "09_scaling_laws_1", "Scaling laws 1", "lmfs.scaling: power-law and Chinchilla fits, IsoFLOP sweeps", "planned"),
@@ -94,7 +94,7 @@ def notebook_problems(path: str | os.PathLike) -> list[str]:
     path = Path(path)
     problems = []
     if path.name not in LECTURE_FILENAMES:
-        problems.append(f"{path.name}: not a lecture name from SYLLABUS.md")
+        problems.append(f"{path.name}: not a lecture name (see lmfs.lectures.LECTURES)")
     try:
         nb = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:

@@ -22,13 +22,16 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 
-def load_result(name: str, device: str = "h200") -> dict | None:
+def load_result(name: str, device: str = "h200", quiet: bool = False) -> dict | None:
     """The JSON of ``results/<device>/<name>.json`` as a dict (``name`` without ``.json``).
 
     When the file is not there, prints a note that names it and the command that writes it, and
-    returns ``None``: a notebook cell then says "not measured" instead of failing.
+    returns ``None``: a notebook cell then says "not measured" instead of failing (``quiet``:
+    without the note).
     """
     path = RESULTS_DIR / device / f"{name}.json"
+    if not path.is_file() and quiet:
+        return None
     if not path.is_file():
         kept = sorted(str(p.relative_to(RESULTS_DIR)) for p in RESULTS_DIR.glob("*/*.json"))
         print(f"no measured result {path}: run `python -m lmfs.benchmarks {name} --json "
@@ -38,3 +41,102 @@ def load_result(name: str, device: str = "h200") -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+# ---------------------------------------------------------------- the README's performance table
+
+PERF_START, PERF_END = "<!-- performance:start -->", "<!-- performance:end -->"
+
+
+def _row(benchmark: str, result: dict | None, peer: str, goal: str, measured: str) -> str:
+    when = f"{result.get('date', '?')}, {result.get('device', '?')}" if result else "not measured"
+    return f"| `{benchmark}` | {peer} | {goal} | {measured if result else '–'} | {when} |"
+
+
+def _range(values) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}–{hi:.2f}"
+
+
+def performance_rows() -> list[str]:
+    """One markdown row per performance goal, each computed from a file in ``results/``."""
+    rows = []
+    train = load_result("train-step", quiet=True)
+    rows.append(_row("train-step", train, "fastest Hugging Face Llama (compiled)",
+                     "fast model ≥ 1.2×", train and (
+                         f"**{train['fused_vs_best_hf']:.3f}×** vs `{train['best_hf']}`, "
+                         f"MFU {train['fused']['mfu_measured']:.1%}; plain model {train['plain_vs_best_hf']:.3f}×")))
+    kernels = load_result("kernels", quiet=True)
+    if kernels:
+        copy = kernels["copy_bandwidth"]
+        text = ", ".join(f"{op} {impls['lmfs triton']['fwd_GBps'] / copy:.0%}/"
+                         f"{impls['lmfs triton']['fwdbwd_GBps'] / copy:.0%}"
+                         f" ({impls['lmfs triton']['fwd_GBps'] / impls['torch.compile']['fwd_GBps']:.2f}×)"
+                         for op, impls in kernels["ops"].items())
+    rows.append(_row("kernels", kernels, "copy bandwidth; `torch.compile`",
+                     "≥ 85% of copy, ≥ 1× compile", kernels and
+                     f"fwd/fwd+bwd % of copy (fwd × compile): {text}"))
+    att = load_result("attention", quiet=True)
+    if att:
+        fwd = {d: [r["lmfs_fwd"] / r["sdpa_fwd"] for r in att["rows"] if r["head_dim"] == d]
+               for d in sorted({r["head_dim"] for r in att["rows"]})}
+        both = {d: [r["lmfs_fwdbwd"] / r["sdpa_fwdbwd"] for r in att["rows"] if r["head_dim"] == d] for d in fwd}
+        text = "; ".join(f"D={d}: fwd {_range(fwd[d])}×, fwd+bwd {_range(both[d])}×" for d in fwd)
+    rows.append(_row("attention", att, "SDPA (cuDNN)", "fwd ≥ 1.0×, fwd+bwd ≥ 0.8×", att and text))
+    coll = load_result("collectives", quiet=True)
+    if coll:
+        biggest = max((r for r in coll["rows"] if r["op"] == "all_reduce"), key=lambda r: r["bytes"])
+        text = f"all-reduce bus bandwidth {biggest['busbw_GBps']:.0f} GB/s at {biggest['bytes'] >> 20} MB"
+    rows.append(_row("collectives", coll, "NVLink (measured, 2 GPUs)", "report", coll and text))
+    dp = load_result("data-parallel", quiet=True)
+    if dp:
+        by = {r["strategy"]: r for r in dp["rows"]}
+        text = (f"DDP {by['lmfs-ddp']['speedup_vs_single']:.2f}× one GPU, "
+                f"{by['lmfs-ddp']['tokens_per_s'] / by['torch-ddp']['tokens_per_s']:.2f}× PyTorch DDP; "
+                f"ZeRO-3 state {by['lmfs-fsdp']['total'] / by['lmfs-ddp']['total']:.2f} of DDP's, "
+                f"{by['lmfs-fsdp']['tokens_per_s'] / by['torch-fsdp']['tokens_per_s']:.2f}× FSDP2")
+    rows.append(_row("data-parallel", dp, "PyTorch DDP, FSDP2 (2 GPUs)",
+                     "DDP ≥ 1.8× one GPU and = PyTorch's; ZeRO-3 state ½", dp and text))
+    bpe = load_result("bpe", device="cpu", quiet=True)
+    if bpe:
+        parts = [f"{name}: train {r['train']['ratio']:.2f}× HF's time, encode "
+                 f"{r['encode']['lmfs_cold_mb_s'] / r['encode']['tiktoken_mb_s']:.2f}× tiktoken's speed"
+                 for name, r in bpe.get("corpora", {}).items()]
+        text = "; ".join(parts) or "see results/cpu/bpe.json"
+    rows.append(_row("bpe", bpe, "HF `tokenizers`, `tiktoken` (2-core CPU)",
+                     "train ≤ 1× HF's time, encode ≥ 0.25× tiktoken", bpe and text))
+    return rows
+
+
+def performance_table() -> str:
+    """The README's performance table (benchmark, peer, goal, measured, date), from ``results/``."""
+    head = ["| benchmark | peer | goal | measured | date, device |", "| --- | --- | --- | --- | --- |"]
+    return "\n".join(head + performance_rows())
+
+
+def main(argv=None) -> int:
+    """``python -m lmfs.results table [--update README.md]``: print (or write into the README,
+    between the performance markers) the performance table made from ``results/``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lmfs.results", description=main.__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["table"])
+    parser.add_argument("--update", metavar="README", help="replace the block between the markers in this file")
+    args = parser.parse_args(argv)
+    table = performance_table()
+    if not args.update:
+        print(table)
+        return 0
+    path = Path(args.update)
+    text = path.read_text()
+    if text.count(PERF_START) != 1 or text.count(PERF_END) != 1:
+        raise SystemExit(f"{path} needs one {PERF_START} line and one {PERF_END} line around the table")
+    before, rest = text.split(PERF_START)
+    _, after = rest.split(PERF_END)
+    path.write_text(f"{before}{PERF_START}\n{table}\n{PERF_END}{after}")
+    print(f"performance table written into {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,7 @@
     cfg.corpus_bytes, cfg.vocab_size
 
 ``smoke`` sizes finish a notebook in about a minute on a 2-core CPU; ``full`` sizes give the real
-result on one H200 within the two-minute budget (DESIGN.md, "Scales and budgets").
+result on one H200 within a two-minute budget (five minutes for sweep and RL lectures).
 """
 
 from __future__ import annotations

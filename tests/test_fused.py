@@ -9,46 +9,20 @@ tests that need the kernel path on the CPU force it (:func:`kernels_on_the_cpu`)
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DEVICE, forward_backward, model_of, randn, tiny
 
 import lmfs.kernels.fused as fused
 import lmfs.kernels.loss as loss_module
 from lmfs.kernels import INTERPRET, linear_cross_entropy
-from lmfs.kernels.fused import (ChunkedLossLM, FusedAttention, FusedGatedMLP, fuse_model, fused_linear, rope_qkv,
-                                swiglu)
+from lmfs.kernels.fused import ChunkedLossLM, FusedAttention, FusedGatedMLP, fuse_model, fused_linear, rope_qkv, swiglu
 from lmfs.kernels.loss import _LinearCrossEntropy, cross_entropy_rows
 from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, TransformerConfig, TransformerLM
 from lmfs.nn.positions import apply_rope, rope_angles
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def randn(*shape, dtype=torch.float32, device=DEVICE, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
-
-
-def forward_backward(fn, *inputs, grad_out=None, seed=1):
-    """``fn(*inputs)`` and the gradients of ``<fn(*inputs), grad_out>`` for every input."""
-    inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    out = fn(*inputs)
-    if grad_out is None:
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    return out, grads, grad_out
 
 
 def assert_all_close(ours, expected, atol=1e-5, rtol=1e-4):
     for a, b in zip(ours, expected):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
-
-
-def tiny(**overrides) -> TransformerConfig:
-    base = dict(vocab_size=50, context_length=16, d_model=32, n_layers=2, n_heads=4)
-    return TransformerConfig(**{**base, **overrides})
-
-
-def model_of(config, seed=0) -> TransformerLM:
-    torch.manual_seed(seed)
-    return TransformerLM(config)
 
 
 def twins(config, seed=0, **switches) -> tuple[TransformerLM, TransformerLM]:

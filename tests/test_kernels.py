@@ -13,31 +13,30 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DEVICE, forward_backward, randn
 
-from lmfs.kernels import (HEAD_DIMS, INTERPRET, FlashAttentionTorch, FlashAttentionTriton, cuda_toolchain_problem,
-                          flash_attention, flash_attention_forward, flash_attention_torch, gelu, gelu_cuda, gelu_torch,
-                          online_softmax, rms_norm, softmax)
+from lmfs.kernels import (
+    HEAD_DIMS,
+    INTERPRET,
+    FlashAttentionTorch,
+    FlashAttentionTriton,
+    cuda_toolchain_problem,
+    flash_attention,
+    flash_attention_forward,
+    flash_attention_torch,
+    gelu,
+    gelu_cuda,
+    gelu_torch,
+    online_softmax,
+    rms_norm,
+    softmax,
+)
 from lmfs.kernels.flash_attention import BACKWARDS, DEFAULT_BACKWARD, autotune_choices
 from lmfs.kernels.rmsnorm import backward_choice
 from lmfs.nn.attention import attention_reference, causal_mask
 from lmfs.nn.layers import RMSNorm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LOW_PRECISION = [torch.bfloat16, torch.float16]
-
-
-def forward_backward(fn, *inputs, grad_out=None, seed=1):
-    """``fn(*inputs)`` and the gradients of ``<fn(*inputs), grad_out>`` for every input."""
-    inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    out = fn(*inputs)
-    if grad_out is None:
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    return out, grads, grad_out
-
-
-def randn(*shape, dtype=torch.float32, device=DEVICE, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
 
 
 def assert_all_close(ours, expected, atol=1e-5, rtol=1e-4):

@@ -7,24 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import model_of, tiny
 
 from lmfs.nn import (Block, CausalSelfAttention, LayerNorm, Linear, RMSNorm, RotaryEmbedding, TransformerConfig,
-                     TransformerLM, apply_rope, attention_reference, causal_mask, count_params, cross_entropy,
-                     from_hf_llama, generate, rope_angles, silu, sinusoidal_table, softmax, to_hf_llama,
-                     top_k_filter, top_p_filter)
+                     apply_rope, attention_reference, causal_mask, count_params, cross_entropy, from_hf_llama, generate,
+                     rope_angles, silu, sinusoidal_table, softmax, to_hf_llama, top_k_filter, top_p_filter)
 from lmfs.nn.layers import default_d_ff
 
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
-
-
-def tiny(**overrides) -> TransformerConfig:
-    base = dict(vocab_size=50, context_length=16, d_model=32, n_layers=2, n_heads=4)
-    return TransformerConfig(**{**base, **overrides})
-
-
-def model_of(config, seed=0) -> TransformerLM:
-    torch.manual_seed(seed)
-    return TransformerLM(config)
 
 
 def tokens(B=2, T=12, vocab=50, seed=1):

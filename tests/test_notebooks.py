@@ -15,7 +15,7 @@ SYLLABUS = Path(__file__).resolve().parents[2] / "shared" / "SYLLABUS.md"
 def test_lecture_list_is_the_syllabus():
     assert [lec.number for lec in LECTURES] == [f"{i:02d}" for i in range(1, 18)]
     assert all(re.fullmatch(r"\d\d_[a-z0-9_]+", lec.stem) for lec in LECTURES)
-    if SYLLABUS.exists():  # shared/ lies beside the checkout in CI and in sessions
+    if SYLLABUS.exists():  # shared/ lies beside the checkout in CI and on development machines
         named = re.findall(r"`(\d\d_[a-z0-9_]+)\.ipynb`", SYLLABUS.read_text())
         assert named == [lec.stem for lec in LECTURES]
 

@@ -1,4 +1,4 @@
-"""A lecturer's rerun: papermill executes a lecture with changed parameters (DESIGN.md, "Tests")."""
+"""A lecturer's rerun: papermill executes a lecture with changed parameters, as the README shows."""
 
 import json
 

@@ -51,3 +51,35 @@ def test_kernel_and_attention_results_have_what_lecture_06_reads():
         for row in attention["rows"]:
             assert {"causal", "head_dim", "seq_len", "lmfs_fwd", "lmfs_fwdbwd", "sdpa_fwd", "sdpa_fwdbwd",
                     "naive_fwd", "naive_fwdbwd", "sdpa_fwd_backend", "sdpa_fwdbwd_backend"} <= set(row)
+
+
+def _block(text: str, start: str, end: str) -> str:
+    assert text.count(start) == 1 and text.count(end) == 1, f"README.md needs one {start} and one {end}"
+    return text.split(start)[1].split(end)[0].strip()
+
+
+def test_readme_performance_table_is_made_from_results():
+    from lmfs.results import PERF_END, PERF_START, performance_table
+
+    readme = (RESULTS_DIR.parent / "README.md").read_text()
+    assert _block(readme, PERF_START, PERF_END) == performance_table(), (
+        "README's performance table differs from results/: run `python -m lmfs.results table --update README.md`")
+
+
+def test_readme_lecture_table_is_made_from_run_records():
+    from lmfs.lectures import TABLE_END, TABLE_START, lecture_table, load_runs
+
+    readme = (RESULTS_DIR.parent / "README.md").read_text()
+    records = [RESULTS_DIR / "cpu" / "lectures.json", RESULTS_DIR / "h200" / "lectures.json"]
+    assert all(p.is_file() for p in records)
+    assert _block(readme, TABLE_START, TABLE_END) == lecture_table(load_runs(records)), (
+        "README's lecture table differs from results/*/lectures.json: run `python -m lmfs.lectures table "
+        "--from results/cpu/lectures.json results/h200/lectures.json --update README.md`")
+
+
+def test_performance_table_without_results_says_not_measured(tmp_path, monkeypatch):
+    from lmfs import results
+
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    rows = results.performance_rows()
+    assert len(rows) == 6 and all(row.endswith("| not measured |") for row in rows)
