@@ -39,12 +39,17 @@ from __future__ import annotations
 
 import math
 
-from lmfs.nn.config import TransformerConfig, count_params
+from lmfs.nn.config import TransformerConfig, count_params, moe_params
 from lmfs.nn.layers import GATED_FFNS
 
-def param_count(config: TransformerConfig) -> int:
-    """Trainable parameters of ``TransformerLM(config)``; the same as :func:`lmfs.nn.count_params`."""
-    return count_params(config)
+def param_count(config: TransformerConfig, active: bool = False) -> int:
+    """Trainable parameters of ``TransformerLM(config)``; the same as :func:`lmfs.nn.count_params`.
+
+    ``active``: of a mixture-of-experts model, only those one token uses (``moe_top_k`` routed
+    experts, the shared ones and the router); an MoE model's total grows with the number of
+    experts while its active count, and so its FLOPs per token, stays put.
+    """
+    return count_params(config, active)
 
 
 def matmul_params(config: TransformerConfig) -> int:
@@ -53,6 +58,8 @@ def matmul_params(config: TransformerConfig) -> int:
     The projections of every block (attention and feed-forward) plus the output head
     (``vocab_size × d_model``, counted even when tied to the embedding: the lookup is free, the
     head matmul is not). Biases, norms and position tables are excluded: they are not matmuls.
+    An MoE feed-forward counts what one token meets: the router and its ``moe_top_k`` routed
+    experts plus the shared ones (the *active* parameters; dropped tokens are not discounted).
     """
     c = config
     kv_in = c.kv_latent_dim if c.attention == "mla" else c.d_model
@@ -60,8 +67,9 @@ def matmul_params(config: TransformerConfig) -> int:
     attn += 2 * kv_in * c.kv_heads * c.head_dim               # k_proj, v_proj
     attn += c.n_heads * c.head_dim * c.d_model                # o_proj
     attn += c.d_model * kv_in if c.attention == "mla" else 0  # kv_down
-    ffn = (3 if c.ffn in GATED_FFNS else 2) * c.d_model * c.ffn_dim
-    return c.n_layers * (attn + ffn) + c.vocab_size * c.d_model
+    dense_ffn = (3 if c.ffn in GATED_FFNS else 2) * c.d_model * c.ffn_dim
+    ffns = sum(moe_params(c, active=True) if c.is_moe_layer(i) else dense_ffn for i in range(c.n_layers))
+    return c.n_layers * attn + ffns + c.vocab_size * c.d_model
 
 
 def attention_flops_per_token(config: TransformerConfig, seq_len: int) -> int:

@@ -33,8 +33,8 @@ def executed(tmp_path_factory):
     return out, results
 
 
-def test_runner_uses_ipc_not_tcp(executed, capfd):
-    # The kernel over TCP logs an unencrypted-transport warning to stderr at each start.
+def test_runner_keeps_the_kernels_transport_warning_out(executed, capfd):
+    # ipykernel logs an unencrypted-transport warning to stderr at each start over TCP.
     out, _ = executed
     run_lecture(out / LECTURES[0].filename, out / "again", scale="smoke", device="cpu", timeout=120)
     assert "without encryption" not in capfd.readouterr().err

@@ -22,7 +22,8 @@ from lmfs.parallel.collectives import (bandwidth_worker, collectives_table, comp
 from lmfs.parallel.common import build_model, demo_batches, demo_config, shard_batch, train_single
 from lmfs.parallel.costs import STRATEGIES, cost_table, llama_70b, strategy_costs
 from lmfs.parallel.ddp import DDP, NaiveDDP, train_ddp
-from lmfs.parallel.expert import moe_batches, train_expert_parallel, train_moe_single
+from lmfs.nn.moe import MoE
+from lmfs.parallel.expert import ExpertParallelMoE, moe_batches, train_expert_parallel, train_moe_single
 from lmfs.parallel.launch import RankFailedError, free_port, placement
 from lmfs.parallel.pipeline import bubble, bubble_sweep, plot_timeline, train_pipeline
 from lmfs.parallel.ring_attention import check_ring_attention, full_attention, full_attention_inputs
@@ -451,8 +452,11 @@ def test_pipeline_schedules_match_single_process_and_bubble_formula():
 
 
 def expert_worker(rank, world_size, batches):
-    return {k: train_expert_parallel(rank, world_size, batches, 16, 32, 8, k, torch.optim.AdamW, ADAMW)
-            for k in (1, 2)}
+    out = {k: train_expert_parallel(rank, world_size, batches, 16, 32, 8, k, torch.optim.AdamW, ADAMW)
+           for k in (1, 2)}
+    with pytest.raises(ValueError, match="3 experts do not split over 2 expert-parallel ranks"):
+        ExpertParallelMoE(MoE(16, 32, 3, 1))
+    return out
 
 
 def test_expert_parallel_matches_single_process_moe():

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "collectives": ("lmfs.benchmarks.collective_bandwidth", "main",
                     "all-reduce/all-gather/reduce-scatter bandwidth, 1 MB-1 GB"),
     "data-parallel": ("lmfs.benchmarks.data_parallel", "main", "DDP and FSDP tokens/s and memory vs PyTorch's"),
+    "moe": ("lmfs.benchmarks.moe", "main", "MoE layer tokens/s: loop vs grouped matmuls vs HF, and vs dense"),
 }
 
 

@@ -18,6 +18,8 @@
 :func:`cross_entropy_rows` loss and logit gradient of a chunk of rows in one pass
 :func:`linear_cross_entropy`  the head and its loss chunk by chunk, never keeping the logits
                            (:mod:`lmfs.kernels.loss`)
+:func:`grouped_matmul`     rows grouped by expert, each group times its own matrix, in one
+                           launch; dx and dw kernels for the backward (:mod:`lmfs.kernels.grouped_gemm`)
 :func:`fuse_model`         a built ``TransformerLM`` made faster in place: fused projections,
                            the kernels above, the chunked loss (:mod:`lmfs.kernels.fused`)
 =========================  ==========================================================
@@ -34,6 +36,7 @@ from lmfs.kernels.flash_attention import (HEAD_DIMS, FlashAttentionTorch, FlashA
                                           flash_attention_forward, flash_attention_torch, online_softmax)
 from lmfs.kernels.fused import fuse_model, rope_qkv, swiglu
 from lmfs.kernels.gelu import cuda_toolchain_problem, gelu, gelu_cuda, gelu_torch
+from lmfs.kernels.grouped_gemm import grouped_matmul
 from lmfs.kernels.loss import cross_entropy_rows, linear_cross_entropy
 from lmfs.kernels.rmsnorm import rms_norm
 from lmfs.kernels.softmax import softmax
@@ -41,4 +44,5 @@ from lmfs.kernels.softmax import softmax
 __all__ = ["INTERPRET", "HEAD_DIMS", "FlashAttentionTorch", "FlashAttentionTriton",
            "cross_entropy_rows", "cuda_toolchain_problem", "flash_attention",
            "flash_attention_forward", "flash_attention_torch", "fuse_model", "gelu", "gelu_cuda", "gelu_torch",
+           "grouped_matmul",
            "linear_cross_entropy", "online_softmax", "rms_norm", "rope_qkv", "softmax", "swiglu"]

@@ -6,6 +6,8 @@
 * :mod:`lmfs.nn.attention`: causal self-attention (MHA/GQA/MQA, QK-norm, soft-cap, window, MLA),
   by SDPA or written out.
 * :mod:`lmfs.nn.config`: :class:`TransformerConfig` and the closed-form :func:`count_params`.
+* :mod:`lmfs.nn.moe`: mixture of experts: routers, stacked experts, balancing losses,
+  capacity, loop and sorted dispatch, upcycling.
 * :mod:`lmfs.nn.transformer`: :class:`Block` and :class:`TransformerLM`.
 * :mod:`lmfs.nn.generate`: sampling with temperature, top-k and top-p.
 * :mod:`lmfs.nn.hf`: conversion to and from Hugging Face Llama.
@@ -21,14 +23,15 @@ from lmfs.nn.functional import cross_entropy, silu, softmax
 from lmfs.nn.generate import generate, top_k_filter, top_p_filter
 from lmfs.nn.hf import from_hf_llama, to_hf_llama
 from lmfs.nn.layers import MLP, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm, make_ffn, make_norm
+from lmfs.nn.moe import Experts, MoE, Router, upcycle
 from lmfs.nn.positions import (LearnedPositions, RotaryEmbedding, SinusoidalPositions, apply_rope,
                                rope_angles, sinusoidal_table)
 from lmfs.nn.transformer import Block, TransformerLM
 
 __all__ = [
-    "Block", "CausalSelfAttention", "Embedding", "GatedMLP", "LayerNorm", "LearnedPositions",
-    "Linear", "MLP", "RMSNorm", "RotaryEmbedding", "SinusoidalPositions", "TransformerConfig",
+    "Block", "CausalSelfAttention", "Embedding", "Experts", "GatedMLP", "LayerNorm", "LearnedPositions",
+    "Linear", "MLP", "MoE", "RMSNorm", "Router", "RotaryEmbedding", "SinusoidalPositions", "TransformerConfig",
     "TransformerLM", "apply_rope", "attention_reference", "causal_mask", "count_params",
     "cross_entropy", "from_hf_llama", "generate", "make_ffn", "make_norm", "rope_angles", "silu",
-    "sinusoidal_table", "softmax", "to_hf_llama", "top_k_filter", "top_p_filter",
+    "sinusoidal_table", "softmax", "to_hf_llama", "top_k_filter", "top_p_filter", "upcycle",
 ]

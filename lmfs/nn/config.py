@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lmfs.nn.layers import FFN_KINDS, default_d_ff, ffn_params, norm_params
+from lmfs.nn.layers import FFN_KINDS, GATED_FFNS, default_d_ff, ffn_params, norm_params
+from lmfs.nn.moe import DISPATCHES, ROUTERS
 from lmfs.nn.positions import POSITION_KINDS
 
 CHOICES = {
@@ -15,6 +16,8 @@ CHOICES = {
     "positions": POSITION_KINDS,
     "attention": ("mha", "mla"),
     "attn_impl": ("sdpa", "reference"),
+    "moe_router": ROUTERS,
+    "moe_dispatch": DISPATCHES,
 }
 
 
@@ -57,6 +60,20 @@ class TransformerConfig:
     bias: bool = False                  # biases in the linear layers (never in the output head)
     init_std: float = 0.02
     attn_impl: str = "sdpa"             # "sdpa" (fused) | "reference"; attn_softcap forces reference
+    # Mixture of experts (lmfs.nn.moe): the feed-forward of every moe_every-th layer becomes an MoE.
+    moe_experts: int = 0                # routed experts per MoE layer; 0: a dense model
+    moe_top_k: int = 2                  # experts per token
+    moe_every: int = 1                  # layers moe_every-1, 2·moe_every-1, ... are MoE (1: all)
+    moe_expert_dim: int | None = None   # width of one expert; None: ffn_dim (smaller: fine-grained)
+    moe_shared_experts: int = 0         # always-on experts of width moe_expert_dim (DeepSeekMoE)
+    moe_router: str = "softmax_topk"    # see lmfs.nn.moe.Router
+    moe_capacity_factor: float | None = None  # None: no token dropping
+    moe_dispatch: str = "sorted"        # "sorted" (grouped) | "loop" (per expert): the same result
+    moe_aux_loss: float = 0.01          # weight of the Switch balance loss, per MoE layer
+    moe_device_loss: float = 0.0        # weight of the per-device balance loss over moe_devices groups
+    moe_devices: int = 1
+    moe_z_loss: float = 0.0             # weight of the router z-loss (ST-MoE uses 1e-3)
+    moe_bias_rate: float = 0.0          # sigmoid router's loss-free bias step (DeepSeek-V3: 1e-3)
 
     def __post_init__(self):
         problems = self.problems()
@@ -75,9 +92,22 @@ class TransformerConfig:
     def ffn_dim(self) -> int:
         return default_d_ff(self.d_model, self.ffn) if self.d_ff is None else self.d_ff
 
-    def num_params(self) -> int:
+    @property
+    def moe_dim(self) -> int:
+        """The width of one expert: ``moe_expert_dim``, or the dense feed-forward's ``ffn_dim``."""
+        return self.ffn_dim if self.moe_expert_dim is None else self.moe_expert_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has an MoE feed-forward: every ``moe_every``-th one."""
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def num_params(self, active: bool = False) -> int:
         """Parameters of a model built from this config; see :func:`count_params`."""
-        return count_params(self)
+        return count_params(self, active)
 
     def problems(self) -> list[str]:
         """Every inconsistency in this config, each phrased with the change that fixes it."""
@@ -118,6 +148,41 @@ class TransformerConfig:
                 out.append(f"{name}={getattr(self, name)} must be positive")
         if self.z_loss < 0:
             out.append(f"z_loss={self.z_loss} must be >= 0 (0 switches it off)")
+        return out + self.moe_problems()
+
+    def moe_problems(self) -> list[str]:
+        """The checks of the ``moe_*`` fields (none apply to a dense model, ``moe_experts=0``)."""
+        E, k = self.moe_experts, self.moe_top_k
+        if E < 0:
+            return [f"moe_experts={E} must be >= 0 (0 for a dense model)"]
+        if E == 0:
+            return []
+        out = []
+        if not 1 <= k <= E:
+            out.append(f"moe_top_k={k} must be between 1 and moe_experts={E}: a token cannot use more "
+                       "experts than there are")
+        if not 1 <= self.moe_every <= self.n_layers:
+            out.append(f"moe_every={self.moe_every} must be between 1 (every layer) and n_layers={self.n_layers}")
+        if self.moe_expert_dim is not None and self.moe_expert_dim < 1:
+            out.append(f"moe_expert_dim={self.moe_expert_dim} must be positive (or None for ffn_dim)")
+        if self.moe_shared_experts < 0:
+            out.append(f"moe_shared_experts={self.moe_shared_experts} must be >= 0")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            out.append(f"moe_capacity_factor={self.moe_capacity_factor} must be > 0 (1.25 is usual), "
+                       "or None for no token dropping")
+        if self.ffn not in GATED_FFNS:
+            out.append(f"MoE experts are gated MLPs: use ffn in {GATED_FFNS} (got {self.ffn!r})")
+        if self.bias:
+            out.append("MoE layers have no biases: set bias=False")
+        if self.moe_devices < 1 or E % self.moe_devices:
+            out.append(f"moe_devices={self.moe_devices} must divide moe_experts={E}: "
+                       f"use one of {_divisors(E)}")
+        for name in ("moe_aux_loss", "moe_device_loss", "moe_z_loss", "moe_bias_rate"):
+            if getattr(self, name) < 0:
+                out.append(f"{name}={getattr(self, name)} must be >= 0 (0 switches it off)")
+        if self.moe_bias_rate > 0 and self.moe_router != "sigmoid":
+            out.append(f"moe_bias_rate is the loss-free balancing of the sigmoid router: set "
+                       f"moe_router='sigmoid' or moe_bias_rate=0 (got moe_router={self.moe_router!r})")
         return out
 
 
@@ -132,11 +197,25 @@ def layer_config(config: TransformerConfig | None, fields: dict) -> TransformerC
     return TransformerConfig(**fields) if config is None else dataclasses.replace(config, **fields)
 
 
-def count_params(config: TransformerConfig) -> int:
+def moe_params(config: TransformerConfig, active: bool = False) -> int:
+    """Parameters of one MoE feed-forward: router, routed experts, shared experts.
+
+    ``active``: only those one token uses, i.e. ``moe_top_k`` routed experts instead of all.
+    """
+    c = config
+    expert = ffn_params(c.ffn, c.d_model, c.moe_dim, False)
+    router = 0 if c.moe_router == "hash" else c.d_model * c.moe_experts
+    shared = ffn_params(c.ffn, c.d_model, c.moe_shared_experts * c.moe_dim, False) if c.moe_shared_experts else 0
+    return router + (c.moe_top_k if active else c.moe_experts) * expert + shared
+
+
+def count_params(config: TransformerConfig, active: bool = False) -> int:
     """The number of trainable parameters of ``TransformerLM(config)``, from the config alone.
 
     Tied embeddings are one matrix and count once. RoPE and sinusoidal positions have no
-    parameters (the sinusoidal table is a buffer), so they add nothing.
+    parameters (the sinusoidal table is a buffer), so they add nothing. ``active``: of an MoE
+    model, only the parameters one token uses (``moe_top_k`` of the routed experts, every
+    shared expert, the router); the same as the total for a dense model.
     """
     c = config
     d, hd, H, KV, b = c.d_model, c.head_dim, c.n_heads, c.kv_heads, int(c.bias)
@@ -153,9 +232,11 @@ def count_params(config: TransformerConfig) -> int:
 
     branches = 1 if c.parallel else 2                      # residual branches per block
     norms = branches * norm_params(c.norm, d) * (2 if c.norm_position == "double" else 1)
-    per_layer = attn + ffn_params(c.ffn, d, c.ffn_dim, c.bias) + norms
+    per_layer = attn + norms
+    ffns = sum(moe_params(c, active) if c.is_moe_layer(i) else ffn_params(c.ffn, d, c.ffn_dim, c.bias)
+               for i in range(c.n_layers))
 
-    total = c.n_layers * per_layer + c.vocab_size * d       # blocks + token embedding
+    total = c.n_layers * per_layer + ffns + c.vocab_size * d  # blocks + token embedding
     total += c.context_length * d if c.positions == "learned" else 0
     total += norm_params(c.norm, d) if c.norm_position != "post" else 0  # final norm
     total += 0 if c.tie_embeddings else c.vocab_size * d   # separate output head

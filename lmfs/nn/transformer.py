@@ -13,6 +13,7 @@ from torch import nn
 from lmfs.nn.attention import CausalSelfAttention
 from lmfs.nn.config import TransformerConfig, layer_config
 from lmfs.nn.layers import Embedding, Linear, make_ffn, make_norm
+from lmfs.nn.moe import MoE, moe_from_config
 from lmfs.nn.positions import make_absolute_positions
 
 
@@ -30,15 +31,20 @@ class Block(nn.Module):
     ``forward(x, positions=None)`` maps ``(B, T, d_model)`` to ``(B, T, d_model)``; ``positions``
     goes to attention (:class:`~lmfs.nn.attention.CausalSelfAttention`). Like attention, a block
     can be built from config fields alone: ``Block(d_model=64, n_heads=4, ffn="gelu")``.
+
+    ``layer`` is the block's index in the model: with ``config.moe_experts`` it decides
+    (:meth:`~lmfs.nn.TransformerConfig.is_moe_layer`) whether ``mlp`` is an
+    :class:`~lmfs.nn.moe.MoE`, whose hash router needs the ``token_ids`` ``(B, T)`` of ``forward``.
     """
 
-    def __init__(self, config: TransformerConfig | None = None, **fields):
+    def __init__(self, config: TransformerConfig | None = None, layer: int = 0, **fields):
         super().__init__()
         config = layer_config(config, fields)
         self.position = config.norm_position
         self.parallel = config.parallel
         self.attn = CausalSelfAttention(config)
-        self.mlp = make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias)
+        self.mlp = (moe_from_config(config) if config.is_moe_layer(layer)
+                    else make_ffn(config.ffn, config.d_model, config.ffn_dim, config.bias))
         branches = 1 if config.parallel else 2
         # norms[i]: the input norm of branch i (pre, double), or the norm after its sum (post).
         self.norms = nn.ModuleList(
@@ -56,11 +62,15 @@ class Block(nn.Module):
             y = self.out_norms[i](y)
         return x + y
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def feed_forward(self, h: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mlp(h, token_ids) if isinstance(self.mlp, MoE) else self.mlp(h)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.parallel:
-            return self.residual(x, lambda h: self.attn(h, positions) + self.mlp(h), 0)
+            return self.residual(x, lambda h: self.attn(h, positions) + self.feed_forward(h, token_ids), 0)
         x = self.residual(x, lambda h: self.attn(h, positions), 0)
-        return self.residual(x, self.mlp, 1)
+        return self.residual(x, lambda h: self.feed_forward(h, token_ids), 1)
 
 
 class TransformerLM(nn.Module):
@@ -74,7 +84,12 @@ class TransformerLM(nn.Module):
     except the two projections that write into the residual stream (attention ``o_proj`` and
     MLP ``down``), which use ``init_std / sqrt(2·n_layers)`` so that the stream's variance does
     not grow with depth (there are ``2·n_layers`` such writes). Biases start at 0, norm gains at
-    1 and LayerNorm biases at 0.
+    1 and LayerNorm biases at 0. MoE experts follow the same rule (their ``w_down`` writes into
+    the stream).
+
+    With MoE layers (``config.moe_experts``), the training-mode loss also carries their weighted
+    balancing losses (:meth:`moe_loss`); :meth:`aux_losses` and :meth:`moe_stats` report them and
+    the loads, and :meth:`update_moe_biases` is the per-step hook of the sigmoid router.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -82,7 +97,7 @@ class TransformerLM(nn.Module):
         self.config = config
         self.tok_emb = Embedding(config.vocab_size, config.d_model)
         self.pos_emb = make_absolute_positions(config.positions, config.context_length, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, layer=i) for i in range(config.n_layers))
         self.final_norm = (make_norm(config.norm, config.d_model, config.norm_eps)
                            if config.norm_position != "post" else None)
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size)
@@ -97,9 +112,18 @@ class TransformerLM(nn.Module):
                 module.weight.normal_(0.0, std)
             if isinstance(module, Linear) and module.bias is not None:
                 module.bias.zero_()
+        out_std = std / math.sqrt(2 * self.config.n_layers)
         for block in self.blocks:
-            block.attn.o_proj.weight.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
-            block.mlp.down.weight.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+            block.attn.o_proj.weight.normal_(0.0, out_std)
+            if isinstance(block.mlp, MoE):
+                experts = block.mlp.experts
+                experts.w_gate.normal_(0.0, std)
+                experts.w_up.normal_(0.0, std)
+                experts.w_down.normal_(0.0, out_std)
+                if block.mlp.shared is not None:
+                    block.mlp.shared.down.weight.normal_(0.0, out_std)
+            else:
+                block.mlp.down.weight.normal_(0.0, out_std)
         # Norms were built at weight 1 / bias 0 and nothing above touched them.
 
     def num_params(self) -> int:
@@ -109,6 +133,32 @@ class TransformerLM(nn.Module):
         position table are not parameters and are not counted.
         """
         return sum(p.numel() for p in self.parameters())
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE feed-forwards, in layer order (empty for a dense model)."""
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """The MoE layers' balancing losses of the last forward, summed over layers, unweighted."""
+        layers = self.moe_layers()
+        return {name: sum(moe.aux[name] for moe in layers) for name in layers[0].aux} if layers else {}
+
+    def moe_loss(self) -> torch.Tensor | float:
+        """What the last forward's MoE layers add to the loss: ``moe_aux_loss · Switch +
+        moe_device_loss · per-device + moe_z_loss · z``, summed over layers (0 for a dense model)."""
+        c, aux = self.config, self.aux_losses()
+        if not aux:
+            return 0.0
+        return c.moe_aux_loss * aux["balance"] + c.moe_device_loss * aux["device_balance"] + c.moe_z_loss * aux["z"]
+
+    def moe_stats(self) -> list[dict]:
+        """Per MoE layer, its load statistics of the last forward (:class:`~lmfs.nn.moe.MoE`)."""
+        return [moe.stats for moe in self.moe_layers()]
+
+    def update_moe_biases(self) -> None:
+        """Call after each optimizer step: every sigmoid router's loss-free bias update."""
+        for moe in self.moe_layers():
+            moe.update_bias()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None):
@@ -120,12 +170,15 @@ class TransformerLM(nn.Module):
         normaliser near 1 and the logits from drifting (PaLM). ``positions`` (integer ``(T,)`` or
         ``(B, T)``, default ``0 .. T-1``) says where each token sits: an offset for a sequence
         that continues an earlier one, a restart at 0 for each document packed into a row.
+        In training mode an MoE model's loss also has :meth:`moe_loss` added; in eval mode it is
+        the language-modelling loss alone, comparable with a dense model's.
         """
         self._check_input(idx, targets, positions)
         logits = self.head(self.hidden(idx, positions))
         if targets is None:
             return logits, None
-        return logits, self.loss(logits, targets)
+        loss = self.loss(logits, targets)
+        return logits, loss + self.moe_loss() if self.training else loss
 
     def hidden(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states ``(B, T, d_model)``: embeddings, every block, the final norm."""
@@ -133,7 +186,7 @@ class TransformerLM(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(idx.shape[1] if positions is None else positions)
         for block in self.blocks:
-            x = block(x, positions)
+            x = block(x, positions, idx)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x

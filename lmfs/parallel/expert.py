@@ -13,10 +13,12 @@ tokens (the ranks split the batch, as in data parallelism). One MoE forward:
 5. **combine**: the reverse all-to-all brings every row home, and each token sums its ``k``
    results weighted by the router.
 
-The all-to-all's backward is the reverse all-to-all, so autograd sends every gradient row back
-to where its activation came from. Expert weights are gradient-complete on their owner (they
-saw every token routed to them); the router is replicated and saw only local tokens, so its
-gradient is summed over ranks, as in data parallelism.
+The layer itself (router, experts, their grouped computation) is :class:`lmfs.nn.moe.MoE`'s;
+this module adds only the communication. The all-to-all's backward is the reverse all-to-all, so
+autograd sends every gradient row back to where its activation came from. Expert weights are
+gradient-complete on their owner (they saw every token routed to them); the router (and any
+shared expert) is replicated and saw only local tokens, so its gradient is summed over ranks, as
+in data parallelism.
 """
 
 from __future__ import annotations
@@ -26,50 +28,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmfs.nn import GatedMLP, Linear
+from lmfs.nn.moe import MoE
 from lmfs.parallel import comm
 from lmfs.parallel.common import shard_batch, train_on_rank
 from lmfs.parallel.launch import device_for
 
 
-def top_k_route(logits: torch.Tensor, k: int):
-    """Token-choice routing: softmax over experts (in fp32), keep the top ``k``.
-
-    Returns ``(weights, experts)``, each ``(N, k)``. With ``k > 1`` the kept weights are
-    renormalised to sum to 1 (Mixtral); with ``k = 1`` the weight stays the probability, so the
-    router still gets a gradient through it (Switch Transformer).
-    """
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = probs.topk(k, dim=-1)
-    if k > 1:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(logits.dtype), experts
-
-
-class MoE(nn.Module):
-    """A top-``k`` mixture of SwiGLU experts on one device: the reference for expert parallelism.
-
-    ``x`` ``(..., d_model)`` -> ``(..., d_model)``; each token's output is ``Σ_j w_j · expert_j(x)``
-    over its ``k`` chosen experts.
-    """
-
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int = 1):
-        super().__init__()
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
-        self.top_k = top_k
-        self.router = Linear(d_model, n_experts)
-        self.experts = nn.ModuleList(GatedMLP(d_model, d_ff) for _ in range(n_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        weights, experts = top_k_route(self.router(flat), self.top_k)
-        out = torch.zeros_like(flat)
-        for j, expert in enumerate(self.experts):
-            token, slot = (experts == j).nonzero(as_tuple=True)
-            if token.numel():
-                out = out.index_add(0, token, weights[token, slot, None] * expert(flat[token]))
-        return out.view_as(x)
+def moe_state(moe: MoE) -> dict[str, torch.Tensor]:
+    """The state of a single-device :class:`~lmfs.nn.moe.MoE` with one name per expert
+    (``experts.{e}.w_gate``, ...), the form in which the ranks' expert shards merge."""
+    state = {k: v.detach().clone() for k, v in moe.state_dict().items() if not k.startswith("experts.")}
+    return state | {f"experts.{k}": v for k, v in moe.experts.per_expert_state().items()}
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,34 +60,45 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelMoE(nn.Module):
-    """:class:`MoE` with its experts split over the ranks of ``group``; see the module docstring.
+    """An :class:`lmfs.nn.moe.MoE` with its experts split over the ranks of ``group``; see the
+    module docstring. Only the communication lives here: routing and the experts' grouped
+    computation are the layer's own (:class:`~lmfs.nn.moe.Router`, :class:`~lmfs.nn.moe.Experts`).
 
-    Built from a full ``MoE`` (the same on every rank): this rank keeps the router and its
-    ``E/n`` experts. ``forward`` takes this rank's tokens only.
+    Built from a full ``MoE`` (the same on every rank): this rank keeps the router, the shared
+    experts (both replicated) and its ``E/n`` routed experts. ``forward`` takes this rank's tokens
+    only. Token-choice and hash routers without a capacity limit are supported; the layer's
+    balancing losses and statistics are not computed here.
     """
 
     def __init__(self, moe: MoE, group=None):
         super().__init__()
+        if moe.capacity_factor is not None or moe.router.kind == "expert_choice":
+            raise ValueError("expert parallelism here needs token-choice routing without a capacity limit: "
+                             "build the MoE with capacity_factor=None and a router other than 'expert_choice'")
         self.group = group
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        E = len(moe.experts)
+        E = moe.n_experts
         if E % self.n:
-            raise ValueError(f"{E} experts do not split over {self.n} ranks: use a multiple of {self.n}")
+            ranks = [d for d in range(1, E + 1) if E % d == 0]
+            raise ValueError(f"{E} experts do not split over {self.n} expert-parallel ranks: use a number of "
+                             f"experts that is a multiple of {self.n}, or a number of ranks in {ranks}")
         self.n_experts, self.local = E, E // self.n
         self.first_expert = self.rank * self.local
-        self.top_k, self.router = moe.top_k, moe.router
-        self.experts = nn.ModuleList(moe.experts[self.first_expert:self.first_expert + self.local])
+        self.router, self.shared = moe.router, moe.shared
+        self.experts = moe.experts.sliced(self.first_expert, self.local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every rank holds (router, shared experts): their gradients are summed over ranks."""
+        return [p for m in (self.router, self.shared) if m is not None for p in m.parameters()]
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        N, k = flat.shape[0], self.top_k
-        weights, experts = top_k_route(self.router(flat), k)
+        routing = self.router(flat, token_ids)
 
-        # 1) Every (token, choice) pair becomes a row; sorting by expert groups rows by owner rank.
-        choice = experts.reshape(-1)
-        order = torch.argsort(choice, stable=True)
-        token = torch.arange(N, device=x.device).repeat_interleave(k)[order]
-        per_expert = torch.bincount(choice, minlength=self.n_experts)
+        # 1) Every (token, choice) assignment is a row; sorting by expert groups rows by owner rank.
+        order = torch.argsort(routing.expert, stable=True)
+        token = routing.token[order]
+        per_expert = torch.bincount(routing.expert, minlength=self.n_experts)
 
         # 2) Counts: rank j receives our counts for its experts; we receive theirs for ours,
         #    laid out [source rank][local expert].
@@ -130,27 +110,29 @@ class ExpertParallelMoE(nn.Module):
         # 3) Dispatch the rows to the experts' owners.
         received = _AllToAll.apply(flat[token], recv_splits, send_splits, self.group)
 
-        # 4) Each local expert processes its rows, whichever rank they came from.
+        # 4) The local experts run as one grouped computation: sort the received rows by local
+        #    expert (they arrive grouped by source rank), compute, put them back in arrival order.
         local_expert = torch.arange(self.local, device=x.device).repeat(self.n)
         row_expert = local_expert.repeat_interleave(incoming)
-        results = torch.zeros_like(received)
-        for j, expert in enumerate(self.experts):
-            rows = (row_expert == j).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                results = results.index_add(0, rows, expert(received[rows]))
+        by_expert = torch.argsort(row_expert, stable=True)
+        y = self.experts(received[by_expert], torch.bincount(row_expert, minlength=self.local))
+        results = y[torch.argsort(by_expert)]
 
         # 5) Combine: rows come back in the order they left; weight them and sum per token.
         back = _AllToAll.apply(results, send_splits, recv_splits, self.group)
-        w = weights.reshape(-1)[order]
+        w = routing.weight[order].to(back.dtype)
         out = torch.zeros_like(flat).index_add(0, token, back * w[:, None])
+        if self.shared is not None:
+            out = out + self.shared(flat)
         return out.view_as(x)
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The router and *this rank's* experts under their names in the full :class:`MoE`."""
+        """The replicated parts and *this rank's* experts under their names in :func:`moe_state`."""
         state = {f"router.{k}": v for k, v in self.router.state_dict().items()}
-        for j, expert in enumerate(self.experts):
-            state |= {f"experts.{self.first_expert + j}.{k}": v for k, v in expert.state_dict().items()}
-        return {k: v.detach().clone() for k, v in state.items()}
+        if self.shared is not None:
+            state |= {f"shared.{k}": v for k, v in self.shared.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in state.items()}
+        return state | {f"experts.{k}": v for k, v in self.experts.per_expert_state(self.first_expert).items()}
 
 
 def moe_batches(steps: int, tokens: int, d_model: int, seed: int = 0):
@@ -161,6 +143,7 @@ def moe_batches(steps: int, tokens: int, d_model: int, seed: int = 0):
 
 
 def build_moe(d_model: int, d_ff: int, n_experts: int, top_k: int, seed: int = 0) -> MoE:
+    """The :class:`~lmfs.nn.moe.MoE` both the single-process reference and the ranks start from."""
     torch.manual_seed(seed)
     moe = MoE(d_model, d_ff, n_experts, top_k)
     with torch.no_grad():  # small weights keep the outputs, and the regression loss, moderate
@@ -188,7 +171,7 @@ def train_moe_single(batches, d_model: int, d_ff: int, n_experts: int, top_k: in
         loss.backward()
         return loss
 
-    result = train_on_rank(moe, opt, batches, step, "cpu", final_state=moe.state_dict, distributed=False)
+    result = train_on_rank(moe, opt, batches, step, "cpu", final_state=lambda: moe_state(moe), distributed=False)
     return result | {"first_output": outputs[0]}
 
 
@@ -215,7 +198,7 @@ def train_expert_parallel(rank: int, world_size: int, batches, d_model: int, d_f
         # This rank's share of the mean over all ranks' tokens: the shares sum to the loss.
         share = F.mse_loss(out, target) / world_size
         share.backward()
-        for p in moe.router.parameters():  # replicated, saw only this rank's tokens
+        for p in moe.replicated_parameters():  # replicated, saw only this rank's tokens
             comm.all_reduce(p.grad, group=moe.group)
         return share
 

@@ -318,6 +318,8 @@ def train(model: torch.nn.Module, data: np.ndarray, config: TrainConfig, *,
                 clip_grad_norm(model.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if hasattr(model, "update_moe_biases"):  # auxiliary-loss-free balancing (sigmoid routers)
+                model.update_moe_biases()
 
             done = step + 1
             history.step.append(done)
