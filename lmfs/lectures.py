@@ -52,7 +52,7 @@ LECTURES = [
     Lecture("01", "01_overview_tokenization", "Overview and tokenization", "lmfs.tokenization: byte-level BPE trainer and tokenizer"),
     Lecture("02", "02_pytorch_resource_accounting", "PyTorch and resource accounting", "lmfs.accounting, lmfs.bench.memory, lmfs.optim, lmfs.train: FLOPs, memory, optimizers, the loop"),
     Lecture("03", "03_architectures_hyperparameters", "Architectures and hyperparameters", "lmfs.nn: configurable Transformer LM, HF Llama conversion; lmfs.train.experiments"),
-    Lecture("04", "04_mixture_of_experts", "Mixture of experts", "lmfs.nn.moe: routers, experts, balancing losses", "planned"),
+    Lecture("04", "04_mixture_of_experts", "Mixture of experts", "lmfs.nn.moe: routers, experts, balancing, capacity, grouped dispatch, upcycling"),
     Lecture("05", "05_gpus", "GPUs", "lmfs.bench, lmfs.hardware: timers, bandwidth/matmul probes, roofline, wave quantisation"),
     Lecture("06", "06_kernels_triton", "Kernels and Triton", "lmfs.kernels: Triton GeLU, softmax, RMSNorm, FlashAttention-2; fuse_model"),
     Lecture("07", "07_parallelism_1", "Parallelism 1", "lmfs.parallel: launcher, collectives, bandwidth, cost calculator"),

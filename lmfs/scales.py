@@ -110,6 +110,42 @@ CONFIGS: dict[str, dict[str, dict]] = {
             norm_bench_shape=(65_536, 4096),
         ),
     },
+    "04": {
+        "smoke": dict(
+            corpus_bytes=300_000,      # text tokenized for the training runs (CORPUS, default "stdlib")
+            vocab_size=512,
+            d_model=64,                # the dense base model; the MoE variants replace its feed-forwards
+            n_layers=2,
+            n_heads=4,
+            context_length=64,
+            batch_size=16,
+            steps=30,                  # per run (the upcycling comparison splits it: half dense, half MoE)
+            lr=3e-3,
+            warmup_steps=3,
+            eval_every=10,
+            eval_batches=2,
+            n_experts=8,               # routed experts of the MoE variants
+            bias_rate=1e-2,            # sigmoid router's bias step (short runs need a larger step)
+            capacity_factors=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0),
+        ),
+        "full": dict(
+            corpus_bytes=9_000_000,    # below the ~10.7 MB stdlib of a slim Python 3.12: no repeats
+            vocab_size=2_048,
+            d_model=256,
+            n_layers=4,
+            n_heads=4,
+            context_length=256,
+            batch_size=32,
+            steps=600,                 # 4.9 M tokens per run
+            lr=2e-3,
+            warmup_steps=40,
+            eval_every=50,
+            eval_batches=8,
+            n_experts=8,
+            bias_rate=1e-3,            # DeepSeek-V3's step
+            capacity_factors=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0),
+        ),
+    },
     "05": {
         "smoke": dict(
             warmup=1, reps=5,              # timing: untimed calls first, then the median of `reps`
