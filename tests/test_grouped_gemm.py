@@ -100,3 +100,32 @@ def test_moe_benchmark_runs_on_cpu(capsys):
     assert result["ratios"]["lmfs triton / loop"] > 0
     out = capsys.readouterr().out
     assert "lmfs triton / loop" in out and "TFLOP/s / dense" in out
+
+
+def test_use_triton_experts_keeps_the_moe_layers_function():
+    from lmfs.kernels.grouped_gemm import experts_matmul, use_triton_experts
+    from lmfs.nn import TransformerConfig, TransformerLM
+    from lmfs.nn.moe import grouped_matmul as torch_path
+
+    config = TransformerConfig(vocab_size=40, context_length=8, d_model=16, n_layers=1, n_heads=2,
+                               moe_experts=4, moe_top_k=2, moe_expert_dim=24, moe_dispatch="sorted")
+    torch.manual_seed(0)
+    model = TransformerLM(config)
+    idx = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = model(idx, idx)[1]
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    experts = model.moe_layers()[0].experts
+    assert use_triton_experts(model) is model and experts.matmul is experts_matmul
+    loss = model(idx, idx)[1]
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip([p.grad for p in model.parameters()], expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+    use_triton_experts(model, enabled=False)
+    assert experts.matmul is torch_path
+    with pytest.raises(ValueError, match="holds no lmfs.nn.moe.Experts"):
+        use_triton_experts(torch.nn.Linear(2, 2))

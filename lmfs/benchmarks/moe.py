@@ -43,7 +43,7 @@ from lmfs.bench.timing import benchmark
 from lmfs.kernels import INTERPRET
 from lmfs.kernels.grouped_gemm import autotune_choices, grouped_matmul, torch_grouped_matmul, torch_grouped_mm
 from lmfs.nn.layers import GatedMLP
-from lmfs.nn.moe import Experts, MoE
+from lmfs.nn.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -69,24 +69,10 @@ GPU_SHAPE = MoEShape(d_model=1024, experts=64, width=512, top_k=8, shared=1, tok
 CPU_SHAPE = MoEShape(d_model=32, experts=8, width=16, top_k=2, shared=1, tokens=48)
 
 
-class GroupedExperts(Experts):
-    """:class:`lmfs.nn.moe.Experts` whose grouped matmuls are done by ``self.matmul`` (a function
-    ``(x, w, group_sizes) -> y`` such as :func:`lmfs.kernels.grouped_matmul`); swapped in by
-    assigning ``experts.__class__``, which keeps the parameters."""
-
-    matmul = staticmethod(grouped_matmul)
-
-    def forward(self, x_sorted: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.matmul(x_sorted, self.w_gate, group_sizes))
-        h = h * self.matmul(x_sorted, self.w_up, group_sizes)
-        return self.matmul(h, self.w_down, group_sizes)
-
-
 def make_moe(shape: MoEShape, device, dtype, seed: int = 0) -> MoE:
-    """The layer of ``shape`` with seeded weights, its experts ready for :class:`GroupedExperts`."""
+    """The layer of ``shape`` with seeded weights; ``moe.experts.matmul`` picks the grouped matmul."""
     torch.manual_seed(seed)
     moe = MoE(shape.d_model, shape.width, shape.experts, shape.top_k, n_shared=shape.shared)
-    moe.experts.__class__ = GroupedExperts
     return moe.to(device=device, dtype=dtype)
 
 

@@ -148,4 +148,16 @@ def config_str(config) -> str:
 
 
 __all__ = ["INTERPRET", "triton", "tl", "check_tensors", "row_block", "row_warps", "FLOAT_DTYPES", "autotune_bench",
-           "sm_count", "shared_memory_limit", "config_str"]
+           "sm_count", "shared_memory_limit", "config_str", "n_candidates"]
+
+
+def n_candidates(fn: str, autotune_candidates: int | None) -> int:
+    """The kernels' ``N_CANDIDATES`` argument: how many candidates of each list the autotuner tries
+    (the first ones that fit), 0 for all of them. Every candidate is compiled once per shape class
+    and dtype (about a second each), so a notebook with a time budget asks for few."""
+    if autotune_candidates is None:
+        return 0
+    if isinstance(autotune_candidates, bool) or not isinstance(autotune_candidates, int) or autotune_candidates < 1:
+        raise ValueError(f"{fn}: autotune_candidates must be a positive int (try the first n block-size "
+                         f"candidates) or None (try them all), got {autotune_candidates!r}")
+    return autotune_candidates

@@ -45,8 +45,8 @@ import math
 
 import torch
 
-from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, config_str, shared_memory_limit, tl,
-                                  triton)
+from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, config_str, n_candidates,
+                                  shared_memory_limit, tl, triton)
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two (tl.arange needs them); ≥ 16 for the tensor cores
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x·log2 e), and exp2 is the faster instruction
@@ -595,18 +595,6 @@ _DQ_CONFIGS = {
     "fp32": [(64, 32, 4, 2)],
 }
 
-def _n_candidates(fn: str, autotune_candidates: int | None) -> int:
-    """The kernels' ``N_CANDIDATES`` argument: how many candidates of each list the autotuner tries
-    (the first ones that fit), 0 for all of them. Every candidate is compiled once per head dim,
-    dtype and causal flag (about a second each), so a notebook with a time budget asks for few."""
-    if autotune_candidates is None:
-        return 0
-    if isinstance(autotune_candidates, bool) or not isinstance(autotune_candidates, int) or autotune_candidates < 1:
-        raise ValueError(f"{fn}: autotune_candidates must be a positive int (try the first n block-size "
-                         f"candidates) or None (try them all), got {autotune_candidates!r}")
-    return autotune_candidates
-
-
 def _tune_group(head_dim: int, dtype: torch.dtype):
     if dtype == torch.float32:
         return "fp32"
@@ -763,7 +751,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         if backward not in BACKWARDS:
             raise ValueError(f"flash_attention: backward must be one of {', '.join(map(repr, BACKWARDS))}, "
                              f"got {backward!r}")
-        candidates = _n_candidates("flash_attention", autotune_candidates)
+        candidates = n_candidates("flash_attention", autotune_candidates)
         scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         k_used, scale_used = _signed(k, scale)
@@ -806,7 +794,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     log-sum-exp of each row's scaled scores (natural-log units, as ``torch.logsumexp``), the one
     number per row the backward keeps."""
     _check_inputs("flash_attention_forward", q, k, v)
-    candidates = _n_candidates("flash_attention_forward", autotune_candidates)
+    candidates = n_candidates("flash_attention_forward", autotune_candidates)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     k_used, scale_used = _signed(k.contiguous(), scale)
     return _flash_forward(q.contiguous(), k_used, v.contiguous(), causal, scale_used, candidates)

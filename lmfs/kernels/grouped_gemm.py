@@ -41,8 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmfs.kernels._triton import INTERPRET, autotune_bench, check_tensors, config_str, tl, triton
-from lmfs.kernels.flash_attention import _n_candidates  # the same autotune_candidates argument
+from lmfs.kernels._triton import INTERPRET, autotune_bench, check_tensors, config_str, n_candidates, tl, triton
 
 
 @triton.jit
@@ -229,7 +228,7 @@ class GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, group_sizes, autotune_candidates=None):
-        candidates = _n_candidates("grouped_matmul", autotune_candidates)
+        candidates = n_candidates("grouped_matmul", autotune_candidates)
         x, w = x.contiguous(), w.contiguous()
         offsets = _group_offsets(group_sizes)
         ctx.save_for_backward(x, w, offsets)
@@ -307,3 +306,34 @@ def torch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Te
                            "(neither torch.nn.functional.grouped_mm nor torch._grouped_mm); use grouped_matmul")
     sizes = _check_groups("torch_grouped_matmul", x, w, group_sizes)
     return fn(x, w, offs=torch.cumsum(sizes, 0, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# The opt-in for lmfs.nn.moe: its experts' grouped matmuls through this kernel
+
+
+def experts_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_matmul` as :class:`lmfs.nn.moe.Experts` calls it: the weights cast to the
+    activations' dtype first, as autocast would cast them for a plain matmul."""
+    return grouped_matmul(x, w.to(x.dtype), group_sizes)
+
+
+def use_triton_experts(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
+    """Make every :class:`lmfs.nn.moe.Experts` inside ``model`` (an MoE layer or a whole
+    ``TransformerLM``) run its grouped matmuls with this module's Triton kernel, in place; returns
+    ``model``. Only the function changes, not the parameters, so the layer computes the same thing
+    (checked in tests); ``enabled=False`` goes back to the PyTorch version of :mod:`lmfs.nn.moe`."""
+    from lmfs.nn.moe import Experts
+
+    found = 0
+    for module in model.modules():
+        if isinstance(module, Experts):
+            if enabled:
+                module.matmul = experts_matmul
+            else:
+                module.__dict__.pop("matmul", None)  # back to the class's own grouped_matmul
+            found += 1
+    if not found:
+        raise ValueError(f"use_triton_experts: {type(model).__name__} holds no lmfs.nn.moe.Experts "
+                         "(build the model with moe_experts > 0)")
+    return model

@@ -220,7 +220,11 @@ class Experts(nn.Module):
     kernels take. Fine-grained experts (DeepSeekMoE) are the same class with a smaller ``d_ff``
     and more experts. ``forward`` is the whole grouped computation, the one method a faster
     kernel replaces (as :mod:`lmfs.kernels.fused` swaps module classes, keeping the parameters).
+    Its three grouped matmuls call ``self.matmul``, :func:`grouped_matmul` by default; an opt-in
+    sets another function of the same signature (:func:`lmfs.kernels.grouped_gemm.use_triton_experts`).
     """
+
+    matmul = staticmethod(grouped_matmul)
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int, activation: str = "swiglu"):
         super().__init__()
@@ -243,9 +247,9 @@ class Experts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """All experts at once: ``x_sorted`` ``(A, d_model)`` holds expert 0's rows, then expert 1's,
         ...; ``group_sizes`` ``(E,)`` counts them. Returns ``(A, d_model)`` in the same order."""
-        h = self.act(grouped_matmul(x_sorted, self.w_gate, group_sizes))
-        h = h * grouped_matmul(x_sorted, self.w_up, group_sizes)
-        return grouped_matmul(h, self.w_down, group_sizes)
+        h = self.act(self.matmul(x_sorted, self.w_gate, group_sizes))
+        h = h * self.matmul(x_sorted, self.w_up, group_sizes)
+        return self.matmul(h, self.w_down, group_sizes)
 
     def sliced(self, first: int, count: int) -> Experts:
         """A new :class:`Experts` with copies of experts ``first .. first+count-1`` (expert parallelism)."""
