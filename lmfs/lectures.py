@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmfs.results import replace_between
+
 REPO = Path(__file__).resolve().parent.parent
 LECTURE_DIR = REPO / "lectures"
 
@@ -269,12 +271,7 @@ def lecture_table(runs: dict[str, dict[str, dict]]) -> str:
 
 def replace_block(text: str, block: str) -> str:
     """Put ``block`` between the lecture-table markers of ``text`` (the markers stay)."""
-    if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1 or text.index(TABLE_START) > text.index(TABLE_END):
-        raise ValueError(f"expected one {TABLE_START} line followed by one {TABLE_END} line; "
-                         "add them where the lecture table goes")
-    before, rest = text.split(TABLE_START)
-    _, after = rest.split(TABLE_END)
-    return f"{before}{TABLE_START}\n{block}\n{TABLE_END}{after}"
+    return replace_between(text, TABLE_START, TABLE_END, block)
 
 
 # ---------------------------------------------------------------- the book

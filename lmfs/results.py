@@ -108,6 +108,17 @@ def performance_rows() -> list[str]:
     return rows
 
 
+def replace_between(text: str, start: str, end: str, block: str) -> str:
+    """``text`` with ``block`` between its ``start`` and ``end`` marker lines (the markers stay):
+    how the README's generated tables are rewritten in place."""
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise ValueError(f"expected one {start} line followed by one {end} line; "
+                         "add them where the table goes")
+    before, rest = text.split(start)
+    _, after = rest.split(end)
+    return f"{before}{start}\n{block}\n{end}{after}"
+
+
 def performance_table() -> str:
     """The README's performance table (benchmark, peer, goal, measured, date), from ``results/``."""
     head = ["| benchmark | peer | goal | measured | date, device |", "| --- | --- | --- | --- | --- |"]
@@ -128,12 +139,10 @@ def main(argv=None) -> int:
         print(table)
         return 0
     path = Path(args.update)
-    text = path.read_text()
-    if text.count(PERF_START) != 1 or text.count(PERF_END) != 1:
-        raise SystemExit(f"{path} needs one {PERF_START} line and one {PERF_END} line around the table")
-    before, rest = text.split(PERF_START)
-    _, after = rest.split(PERF_END)
-    path.write_text(f"{before}{PERF_START}\n{table}\n{PERF_END}{after}")
+    try:
+        path.write_text(replace_between(path.read_text(), PERF_START, PERF_END, table))
+    except ValueError as err:
+        raise SystemExit(f"{path}: {err}") from None
     print(f"performance table written into {path}")
     return 0
 

@@ -32,7 +32,6 @@ code; those numbers say nothing about real hardware.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from dataclasses import asdict, dataclass
 
@@ -147,7 +146,7 @@ def run(shape: MoEShape | None = None, device=None, warmup: int | None = None, r
     impls["dense SwiGLU"] = (lambda: dense(x), [x, *dense.parameters()])
 
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
-              "date": datetime.date.today().isoformat(), "dtype": str(dtype).replace("torch.", ""),
+              "dtype": str(dtype).replace("torch.", ""),
               "interpreter": INTERPRET, "shape": asdict(shape), "flops": shape.flops(), "rows": {}, "notes": notes}
     for name, (fn, inputs) in impls.items():
         try:
