@@ -97,6 +97,16 @@ def performance_rows() -> list[str]:
                 f"{by['lmfs-fsdp']['tokens_per_s'] / by['torch-fsdp']['tokens_per_s']:.2f}× FSDP2")
     rows.append(_row("data-parallel", dp, "PyTorch DDP, FSDP2 (2 GPUs)",
                      "DDP ≥ 1.8× one GPU and = PyTorch's; ZeRO-3 state ½", dp and text))
+    moe = load_result("moe", quiet=True)
+    if moe:
+        ratios = moe["ratios"]
+        text = "; ".join(f"{name}: {ratios[f'{name} / loop']:.1f}× loop, {ratios[f'{name} / HF fastest']:.2f}× "
+                         f"HF, TFLOP/s {ratios[f'{name} TFLOP/s / dense']:.2f}× dense"
+                         for name in ("lmfs triton", "torch grouped_mm")
+                         if f"{name} / HF fastest" in ratios and f"{name} / loop" in ratios)
+        text += f" (HF fastest: `{moe.get('hf_fastest', '?')}`)"
+    rows.append(_row("moe", moe, "per-expert loop; HF Qwen2-MoE block; dense SwiGLU",
+                     "≥ 5× loop, ≥ 1.2× HF, ≥ 0.6× dense TFLOP/s", moe and text))
     bpe = load_result("bpe", device="cpu", quiet=True)
     if bpe:
         parts = [f"{name}: train {r['train']['ratio']:.2f}× HF's time, encode "

@@ -110,8 +110,8 @@ def test_use_triton_experts_keeps_the_moe_layers_function():
     config = TransformerConfig(vocab_size=40, context_length=8, d_model=16, n_layers=1, n_heads=2,
                                moe_experts=4, moe_top_k=2, moe_expert_dim=24, moe_dispatch="sorted")
     torch.manual_seed(0)
-    model = TransformerLM(config)
-    idx = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = TransformerLM(config).to(DEVICE)
+    idx = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     expected = model(idx, idx)[1]
     expected.backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
@@ -129,3 +129,25 @@ def test_use_triton_experts_keeps_the_moe_layers_function():
     assert experts.matmul is torch_path
     with pytest.raises(ValueError, match="holds no lmfs.nn.moe.Experts"):
         use_triton_experts(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_grouped_matmul_bf16_at_benchmark_width_on_gpu(path):
+    """The compiled, autotuned Triton kernel and the CUDA ``grouped_mm`` path of ``lmfs.nn.moe``
+    in bfloat16 at the benchmark's expert width, ragged groups (empty ones included), forward and
+    backward, against float32 matmuls per group."""
+    from lmfs.nn.moe import grouped_matmul as moe_grouped_matmul
+
+    sizes = [0, 700, 1, 2048, 0, 333, 64, 1000]
+    x = randn(sum(sizes), 1024, dtype=torch.bfloat16, seed=0)
+    w = randn(len(sizes), 1024, 512, dtype=torch.bfloat16, seed=1) / 32
+    sizes = torch.tensor(sizes, device="cuda")
+    fn = grouped_matmul if path == "triton" else moe_grouped_matmul
+    out, (dx, dw), grad_out = forward_backward(lambda a, b: fn(a, b, sizes), x, w)
+    ref, (rdx, rdw), _ = forward_backward(lambda a, b: grouped_matmul_reference(a, b, sizes), x.float(), w.float(),
+                                          grad_out=grad_out.float())
+    assert out.dtype == torch.bfloat16
+    for got, want in ((out, ref), (dx, rdx), (dw, rdw)):
+        scale = want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= 2e-2 * scale, path

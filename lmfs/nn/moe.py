@@ -204,6 +204,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) 
     16-byte-aligned widths); elsewhere a loop over the segments computes the same thing.
     """
     grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):  # autocast skips grouped_mm: cast as it would
+        x = x.to(torch.get_autocast_dtype("cuda"))
     if (grouped is not None and x.is_cuda and x.dtype == torch.bfloat16
             and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0):
         return grouped(x, w.to(x.dtype), offs=group_sizes.cumsum(0).to(torch.int32))
@@ -364,15 +366,20 @@ class MoE(nn.Module):
             mine = (expert == e).nonzero(as_tuple=True)[0]
             if mine.numel():
                 y = self.experts.expert(e, x[token[mine]])
-                out = out.index_add(0, token[mine], y * weight[mine, None].to(y.dtype))
+                out = out.index_add(0, token[mine], (y * weight[mine, None]).to(out.dtype))
         return out
 
     def combine_sorted(self, x, token, expert, weight):
         """The fast path: sort assignments by expert, one grouped computation, weighted scatter-add."""
         order = torch.argsort(expert, stable=True)
         group_sizes = torch.bincount(expert, minlength=self.n_experts)
-        y = self.experts(x[token[order]], group_sizes)                         # (A, d), sorted
-        return torch.zeros_like(x).index_add(0, token[order], y * weight[order, None].to(y.dtype))
+        rows = token[order]
+        y = self.experts(x[rows], group_sizes)                                 # (A, d), sorted
+        # Sum each token's k weighted outputs in float32: GPUs add float32 atomically in one
+        # instruction but 16-bit floats in a retry loop (on an H200 at the benchmark's shape: 1.1 ms,
+        # against 0.3 ms for one of the grouped matmuls).
+        out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+        return out.index_add(0, rows, y.float() * weight[order, None]).to(x.dtype)
 
     def update_bias(self) -> None:
         """Call after each optimizer step: the sigmoid router's bias update (:meth:`Router.update_bias`)."""

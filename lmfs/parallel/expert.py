@@ -121,7 +121,7 @@ class ExpertParallelMoE(nn.Module):
         # 5) Combine: rows come back in the order they left; weight them and sum per token.
         back = _AllToAll.apply(results, send_splits, recv_splits, self.group)
         w = routing.weight[order].to(back.dtype)
-        out = torch.zeros_like(flat).index_add(0, token, back * w[:, None])
+        out = torch.zeros_like(flat).index_add(0, token, (back * w[:, None]).to(flat.dtype))
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view_as(x)
