@@ -107,6 +107,10 @@ def performance_rows() -> list[str]:
         text += f" (HF fastest: `{moe.get('hf_fastest', '?')}`)"
     rows.append(_row("moe", moe, "per-expert loop; HF Qwen2-MoE block; dense SwiGLU",
                      "≥ 5× loop, ≥ 1.2× HF, ≥ 0.6× dense TFLOP/s", moe and text))
+    inference = load_result("inference", quiet=True)
+    rows.append(_row("inference", inference, "HBM roofline; HF `generate` (best cache); HF static batching",
+                     "decode ≥ 0.7 roofline and ≥ 2× HF; trace ≥ 10× HF; paged KV ≤ 1.1×; speculative ≥ 1.8×",
+                     inference and "; ".join(f"{name} {value:.2f}" for name, value in inference["ratios"].items())))
     bpe = load_result("bpe", device="cpu", quiet=True)
     if bpe:
         parts = [f"{name}: train {r['train']['ratio']:.2f}× HF's time, encode "

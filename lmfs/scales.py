@@ -271,6 +271,138 @@ CONFIGS: dict[str, dict[str, dict]] = {
                             batch_size=16, steps=8, micro_batches=4, bucket_size_mb=25),
         ),
     },
+    "09": {
+        "smoke": dict(
+            toy_sizes=(10, 30, 100, 300, 1_000, 3_000), toy_trials=200,  # mean estimation: n, repeats
+            bootstrap=50,              # bootstrap refits of the power-law fits
+            chinchilla_bootstrap=0,    # refits of the 5-parameter fit to the 240 Figure-4 runs (~1 s each)
+            corpus_bytes=300_000,      # text tokenized for the sweep (CORPUS, default "stdlib")
+            vocab_size=512,
+            context_length=32,
+            batch_size=16,
+            lr=1e-2,
+            eval_batches=4,
+            n_heads=2,
+            # model sizes (changes to the base config) x FLOP budgets C = 6·N·D
+            sizes=(dict(d_model=8, n_layers=1), dict(d_model=16, n_layers=1), dict(d_model=32, n_layers=1),
+                   dict(d_model=64, n_layers=1)),
+            budgets=(1e9, 3e9, 9e9),
+            workers=1,                 # runs trained at once (processes); 1 on a CPU
+            # critical batch size: one model, several batch sizes, steps to a target loss
+            batch_model=dict(d_model=16, n_layers=1), batch_sizes=(4, 8, 16, 32), batch_steps=80,
+            batch_lr=1e-2, noise_small=4, noise_big=32, noise_repeats=4,
+        ),
+        "full": dict(
+            toy_sizes=(10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000), toy_trials=2_000,
+            bootstrap=100,
+            chinchilla_bootstrap=40,
+            corpus_bytes=9_000_000,    # the data of lectures 03 and 04: about 3 M tokens
+            vocab_size=2_048,
+            context_length=128,
+            batch_size=32,
+            lr=3e-3,
+            eval_batches=16,
+            n_heads=4,
+            # 0.1 M .. 1.1 M parameters (embeddings included): 0.3 .. 300 tokens per parameter over the
+            # budgets, so every budget's optimum lies inside; 15 runs, 24k steps of 4096 tokens
+            sizes=(dict(d_model=32, n_layers=2), dict(d_model=48, n_layers=2), dict(d_model=64, n_layers=3),
+                   dict(d_model=96, n_layers=3), dict(d_model=128, n_layers=4)),
+            budgets=(2e12, 6e12, 1.8e13),
+            workers=6,                 # small models leave the GPU idle: six train at once
+            batch_model=dict(d_model=64, n_layers=2), batch_sizes=(8, 16, 32, 64, 128, 256), batch_steps=400,
+            batch_lr=3e-3, noise_small=8, noise_big=256, noise_repeats=8,
+        ),
+    },
+    "10": {
+        "smoke": dict(
+            # Timing model (random weights): prefill/decode, batch sweep, KV table, bandwidth.
+            timing_model=dict(vocab_size=512, context_length=256, d_model=128, n_layers=2, n_heads=4,
+                              n_kv_heads=2),
+            mlp_tokens=(1, 4, 16, 64, 256),     # tokens per MLP call in the intensity table
+            prefill_tokens=128,                 # prompt length of the prefill measurement
+            decode_steps=16,                    # timed decode steps per measurement
+            batch_sizes=(1, 2, 4, 8, 16, 32),   # latency/throughput sweep (decode at decode_context)
+            decode_context=64,
+            warmup=1, reps=3,
+            # The trained models: target and draft (speculative decoding), quantisation table.
+            corpus_bytes=300_000, vocab_size=512,
+            target=dict(context_length=128, d_model=64, n_layers=2, n_heads=4),
+            draft=dict(context_length=128, d_model=32, n_layers=1, n_heads=2),
+            batch_size=16, train_context=64, target_steps=60, draft_steps=60, lr=3e-3, warmup_steps=5,
+            eval_batches=4,
+            quant_group=32,                     # group size of int8/int4 (divides d_model)
+            spec_k=(2, 4), spec_tokens=48,      # draft lengths tried, tokens generated per run
+            chi2_vocab=6, chi2_samples=600,     # distribution test: tiny vocabulary, samples
+            # The request trace of the batching comparison.
+            trace_requests=24, trace_prompt=(4, 48), trace_output=(4, 48), max_batch_size=8,
+        ),
+        "full": dict(
+            # The benchmark's Llama-shaped ~1B model, random weights, bf16.
+            timing_model=dict(vocab_size=32_000, context_length=2048, d_model=2048, n_layers=16, n_heads=32,
+                              n_kv_heads=8, d_ff=8192),
+            mlp_tokens=(1, 4, 16, 64, 256, 1024, 4096, 16384),
+            prefill_tokens=1024,
+            decode_steps=64,
+            batch_sizes=(1, 4, 16, 64, 128, 256),
+            decode_context=512,
+            warmup=3, reps=10,
+            corpus_bytes=4_000_000, vocab_size=1_024,  # ~0.9 M tokens: the target sees each about 5 times
+            target=dict(context_length=512, d_model=512, n_layers=8, n_heads=8),
+            draft=dict(context_length=512, d_model=128, n_layers=1, n_heads=2),
+            batch_size=32, train_context=256, target_steps=300, draft_steps=300, lr=2e-3, warmup_steps=30,
+            eval_batches=8,
+            quant_group=128,
+            spec_k=(2, 4), spec_tokens=128,
+            chi2_vocab=6, chi2_samples=1000,
+            trace_requests=128, trace_prompt=(32, 224), trace_output=(16, 256), max_batch_size=64,
+        ),
+    },
+    "11": {
+        "smoke": dict(
+            corpus_bytes=300_000,      # text tokenized for every run (CORPUS, default "stdlib")
+            vocab_size=512,
+            n_layers=2,
+            n_heads=4,                 # fixed as the width grows, so head_dim grows with it
+            context_length=32,
+            batch_size=8,
+            base_width=32,             # μP's base model: the width hyperparameters are tuned at
+            coord_widths=(32, 64, 128, 256),  # coordinate check: widths, Adam steps, seeds, rate
+            coord_steps=4,
+            coord_seeds=(0, 1),
+            coord_lr=1e-2,
+            sweep_widths=(32, 64, 128),       # learning-rate sweep: widths x rates, steps per run
+            sweep_lrs=(3e-3, 1e-2, 3e-2, 1e-1),
+            sweep_steps=30,
+            wsd_width=64,              # WSD vs cosine: the model, its rate, the trunk's decay points
+            wsd_lr=1e-2,
+            wsd_batch_size=16,
+            wsd_decay_starts=(20, 40, 60),
+            wsd_decay_fraction=0.2,    # each branch decays over this share of its total length
+            eval_batches=4,
+        ),
+        "full": dict(
+            corpus_bytes=9_000_000,    # as lectures 03 and 04: the tokenized data is shared
+            vocab_size=2_048,
+            n_layers=4,
+            n_heads=8,
+            context_length=128,
+            batch_size=32,
+            base_width=128,
+            coord_widths=(128, 256, 512, 1024),
+            coord_steps=10,
+            coord_seeds=(0, 1),
+            coord_lr=1e-2,
+            sweep_widths=(128, 256, 512, 1024),
+            sweep_lrs=(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+            sweep_steps=150,           # 0.6 M tokens per run, 24 runs per parametrisation
+            wsd_width=256,
+            wsd_lr=3e-3,
+            wsd_batch_size=32,
+            wsd_decay_starts=(150, 300, 600),
+            wsd_decay_fraction=0.2,
+            eval_batches=8,
+        ),
+    },
 }
 
 

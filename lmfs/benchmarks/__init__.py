@@ -7,6 +7,10 @@ Run one with ``python -m lmfs.benchmarks NAME`` (``python -m lmfs.benchmarks`` l
 * ``probes``: the device's measured copy bandwidth and matmul rate (:mod:`lmfs.bench.probes`)
 * ``kernels``, ``attention``: the Triton kernels of :mod:`lmfs.kernels` against PyTorch
 * ``collectives``, ``data-parallel``: collective bandwidth, and DDP/FSDP training against PyTorch's
+* ``moe``: MoE dispatch (loop, grouped matmuls) against Hugging Face's Qwen2-MoE block and a dense layer
+* ``inference``: decode against the HBM roofline and Hugging Face ``generate``; trace throughput
+  against static batching; paged KV memory; speculative decoding
+* ``sweep``: lecture 09's IsoFLOP grid, one run after another against several at once
 
 Harnesses are not teaching material: lectures import the tools they are built from
 (:mod:`lmfs.bench`: timers, probes, roofline, memory) and read measured results from ``results/``.

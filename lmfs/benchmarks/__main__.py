@@ -22,6 +22,8 @@ BENCHMARKS = {
                     "all-reduce/all-gather/reduce-scatter bandwidth, 1 MB-1 GB"),
     "data-parallel": ("lmfs.benchmarks.data_parallel", "main", "DDP and FSDP tokens/s and memory vs PyTorch's"),
     "moe": ("lmfs.benchmarks.moe", "main", "MoE layer tokens/s: loop vs grouped matmuls vs HF, and vs dense"),
+    "sweep": ("lmfs.benchmarks.sweep", "main", "lecture 09's IsoFLOP grid: sequential vs several runs at once"),
+    "inference": ("lmfs.benchmarks.inference", "main", "decode vs HBM roofline and HF generate; trace; paged KV; speculative"),
 }
 
 

@@ -20,6 +20,10 @@
                            (:mod:`lmfs.kernels.loss`)
 :func:`grouped_matmul`     rows grouped by expert, each group times its own matrix, in one
                            launch; dx and dw kernels for the backward (:mod:`lmfs.kernels.grouped_gemm`)
+:func:`paged_decode_attention`  one decode token per sequence attending over a paged KV cache
+                           through its block table (:mod:`lmfs.kernels.paged_attention`)
+:func:`dequant_matmul`     activations times int8 / packed int4 group-quantised weights,
+                           dequantised in registers (:mod:`lmfs.kernels.dequant_matmul`)
 :func:`fuse_model`         a built ``TransformerLM`` made faster in place: fused projections,
                            the kernels above, the chunked loss (:mod:`lmfs.kernels.fused`)
 =========================  ==========================================================
@@ -37,12 +41,14 @@ from lmfs.kernels.flash_attention import (HEAD_DIMS, FlashAttentionTorch, FlashA
 from lmfs.kernels.fused import fuse_model, rope_qkv, swiglu
 from lmfs.kernels.gelu import cuda_toolchain_problem, gelu, gelu_cuda, gelu_torch
 from lmfs.kernels.grouped_gemm import grouped_matmul
+from lmfs.kernels.dequant_matmul import dequant_matmul
 from lmfs.kernels.loss import cross_entropy_rows, linear_cross_entropy
+from lmfs.kernels.paged_attention import paged_decode_attention
 from lmfs.kernels.rmsnorm import rms_norm
 from lmfs.kernels.softmax import softmax
 
 __all__ = ["INTERPRET", "HEAD_DIMS", "FlashAttentionTorch", "FlashAttentionTriton",
            "cross_entropy_rows", "cuda_toolchain_problem", "flash_attention",
            "flash_attention_forward", "flash_attention_torch", "fuse_model", "gelu", "gelu_cuda", "gelu_torch",
-           "grouped_matmul",
+           "dequant_matmul", "grouped_matmul", "paged_decode_attention",
            "linear_cross_entropy", "online_softmax", "rms_norm", "rope_qkv", "softmax", "swiglu"]

@@ -1,0 +1,505 @@
+"""Inference: the lmfs engine against the HBM roofline and Hugging Face ``generate``.
+
+    python -m lmfs.benchmarks inference [--json results/h200/inference.json] [--tiny] [--skip hf,spec]
+
+On CUDA the model is Llama-shaped with random weights, in bf16: d_model 2048, 16 layers, 32 query
+and 8 KV heads (head_dim 64), SwiGLU width 8192, vocabulary 32,000, tied embeddings: 1.04 B
+parameters. Hugging Face gets the same weights as ``LlamaForCausalLM`` (:func:`lmfs.nn.to_hf_llama`,
+SDPA attention). Four sections, each on its own; a peer that fails prints an error row and the
+rest goes on:
+
+a. **Batch-1 decode.** Greedy decoding of one request (prompt 128 tokens, 256 new tokens). Decode
+   tokens/s = ``N / (t(N + 1) - t(1))``, where ``t(n)`` is the median wall time of a ``generate``
+   call producing ``n`` tokens: the prefill and the first token cancel out. The **roofline**: every
+   decode step must read every weight once and the cached K/V of every earlier token, so at the
+   measured copy bandwidth ``bw`` (:func:`lmfs.bench.probes.copy_bandwidth`) no implementation can
+   beat ``bw / (weight bytes + KV bytes per token × mean context)`` tokens/s. Peers: the lmfs
+   engine (:class:`lmfs.inference.LLM`, CUDA graphs for decode where available) and Hugging Face
+   ``generate`` with a static cache (which ``generate`` compiles with ``torch.compile`` on a GPU)
+   and with its default dynamic cache (eager); the faster counts.
+b. **Throughput on a request trace.** 512 requests, seeded: prompt lengths uniform in 128-1024,
+   output lengths uniform in 64-512, EOS ignored (each request produces exactly its length). The
+   engine gets all requests at once (continuous batching over a paged KV cache). Hugging Face runs
+   static batches with left padding: a batch lasts as long as its longest output, and only the
+   tokens each request asked for count. To bound the time, each batch size tried runs **one batch**
+   (the trace's first B requests) and its useful tokens/s stands for the whole trace; the best
+   batch size counts.
+c. **Paged KV memory.** The engine's KV memory in use (whole blocks) ÷ the bytes of the tokens
+   actually cached, at its peak during the trace (from ``llm.stats``).
+d. **Speculative decoding at batch 1.** Lecture 10's target and smaller draft (its full-scale sizes
+   from :func:`lmfs.scales.lecture_config`), both trained here for a few hundred steps on the same
+   tokens of the generated stories corpus (:func:`lmfs.train.prepare_tokens`), then
+   :func:`lmfs.inference.speculative.speculative_generate` against plain decoding of the target
+   through the same cached forward (:func:`lmfs.inference.forward_cached`), sampling at
+   temperature 1: tokens/s ratio and acceptance rate for a few draft lengths ``k``.
+
+Without a GPU (or with ``--tiny``) every section runs on a tiny model and a short trace, to
+exercise the code (a test does); those numbers say nothing about real hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmfs.bench import save_json
+from lmfs.bench.probes import copy_bandwidth
+from lmfs.inference import kv_bytes_per_token
+from lmfs.inference.quantize import model_weight_bytes
+from lmfs.nn import TransformerConfig, TransformerLM, to_hf_llama
+from lmfs.scales import lecture_config
+
+LLAMA_1B = TransformerConfig(vocab_size=32_000, context_length=2048, d_model=2048, n_layers=16, n_heads=32,
+                             n_kv_heads=8, d_ff=8192)
+TINY = TransformerConfig(vocab_size=256, context_length=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each section does."""
+
+    decode_prompt: int            # (a) prompt tokens of the batch-1 request
+    decode_tokens: int            # (a) new tokens timed
+    repeats: int                  # (a) timed generate calls per length
+    trace_requests: int           # (b) requests in the trace
+    prompt_range: tuple[int, int]  # (b) prompt lengths, inclusive
+    output_range: tuple[int, int]  # (b) output lengths, inclusive
+    hf_batch_sizes: tuple[int, ...]  # (b) static batch sizes tried for Hugging Face
+    hf_seconds: float             # (b) stop trying larger Hugging Face batches after this long
+    scale: str                    # (d) the target/draft pair and its training: lecture 10 at this scale
+
+
+GPU_SIZES = Sizes(decode_prompt=128, decode_tokens=256, repeats=3, trace_requests=512,
+                  prompt_range=(128, 1024), output_range=(64, 512), hf_batch_sizes=(32, 64, 128, 256),
+                  hf_seconds=90.0, scale="full")
+CPU_SIZES = Sizes(decode_prompt=8, decode_tokens=8, repeats=2, trace_requests=12,
+                  prompt_range=(4, 24), output_range=(2, 12), hf_batch_sizes=(2, 4), hf_seconds=20.0,
+                  scale="smoke")
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def build_model(config: TransformerConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> TransformerLM:
+    """``TransformerLM(config)`` with seeded random weights, initialised directly on ``device``."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = TransformerLM(config)
+    return model.to(dtype).eval()
+
+
+def hf_llama(model: TransformerLM):
+    """Hugging Face ``LlamaForCausalLM`` holding ``model``'s weights, on its device and dtype, ready
+    to ``generate`` (no EOS: every request runs to its length)."""
+    from transformers import LlamaForCausalLM
+
+    state, hf_config = to_hf_llama(model)
+    weight = model.tok_emb.weight
+    with torch.device(weight.device):
+        hf = LlamaForCausalLM._from_config(hf_config, attn_implementation="sdpa", dtype=weight.dtype)
+    hf.load_state_dict(state)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.bos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def request_trace(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int,
+                  seed: int = 0) -> list[tuple[list[int], int]]:
+    """``n`` requests ``(prompt token ids, output length)``, lengths uniform in the inclusive ranges."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
+    outputs = rng.integers(output_range[0], output_range[1] + 1, n)
+    return [(rng.integers(1, vocab_size, int(p)).tolist(), int(o)) for p, o in zip(prompts, outputs)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - started
+
+
+def decode_rate(generate: Callable[[int], object], n: int, repeats: int, device: torch.device) -> float:
+    """Decode tokens/s of ``generate(k)`` (one request, ``k`` new tokens): ``n / (t(n+1) - t(1))``
+    with medians over ``repeats`` calls, after one untimed call of each length."""
+    generate(1)
+    generate(n + 1)
+    first = statistics.median(_wall(lambda: generate(1), device) for _ in range(repeats))
+    full = statistics.median(_wall(lambda: generate(n + 1), device) for _ in range(repeats))
+    return n / max(full - first, 1e-9)
+
+
+def _error(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _section(result: dict, name: str, fn: Callable[[], dict]) -> None:
+    """Run one section into ``result[name]``; an exception becomes an error row, the rest goes on."""
+    print(f"\n== {name}", flush=True)
+    started = time.perf_counter()
+    try:
+        result[name] = fn()
+    except Exception as err:  # one failing section must not cost the others
+        result[name] = {"error": _error(err)}
+        print(f"  ERROR: {result[name]['error']}", flush=True)
+    result[name]["seconds"] = time.perf_counter() - started
+
+
+def _peer(rows: dict, name: str, fn: Callable[[], dict]) -> None:
+    """One peer of a section: its row, or an error row."""
+    try:
+        rows[name] = fn()
+    except Exception as err:
+        rows[name] = {"error": _error(err)}
+    row = rows[name]
+    text = row.get("error") or ", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in row.items())
+    print(f"  {name:<28} {text}", flush=True)
+
+
+# ---------------------------------------------------------------------------- (a) batch-1 decode
+
+def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool) -> dict:
+    config = model.config
+    prompt = request_trace(1, (sizes.decode_prompt,) * 2, (1, 1), config.vocab_size, seed=1)[0][0]
+    bandwidth = copy_bandwidth(device=device)
+    mean_context = sizes.decode_prompt + sizes.decode_tokens / 2
+    per_token = model_weight_bytes(model) + kv_bytes_per_token(config, model.tok_emb.weight.dtype) * mean_context
+    roofline = bandwidth / per_token
+    out = {"copy_bandwidth": bandwidth, "weight_bytes": model_weight_bytes(model), "bytes_per_token": per_token,
+           "roofline_tokens_per_s": roofline, "rows": {}}
+    print(f"  copy bandwidth {bandwidth / 1e9:,.0f} GB/s; {per_token / 1e9:.3f} GB read per token "
+          f"(weights + KV at mean context {mean_context:.0f}) -> roofline {roofline:,.1f} tokens/s")
+    rows, greedy = out["rows"], {}
+
+    def lmfs_engine():
+        from lmfs.inference import LLM, SamplingParams
+
+        llm = LLM(model, progress=False)
+
+        def generate(n):
+            result = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
+            if result.error:
+                raise RuntimeError(result.error)
+            return result.token_ids
+
+        rate = decode_rate(generate, sizes.decode_tokens, sizes.repeats, device)
+        greedy["lmfs"] = list(generate(sizes.decode_tokens))
+        del llm
+        return {"tokens_per_s": rate, "of_roofline": rate / roofline}
+
+    _peer(rows, "lmfs engine", lmfs_engine)
+    _free(device)
+    if hf:
+        for name, kwargs in [("HF static cache" + (" + compile" if device.type == "cuda" else ""),
+                              dict(cache_implementation="static")),
+                             ("HF dynamic cache", dict(disable_compile=True))]:
+            _peer(rows, name, lambda name=name, kwargs=kwargs: _hf_decode(model, prompt, sizes, device, roofline,
+                                                                       kwargs, greedy, name))
+            _free(device)
+    hf_rates = {k: r["tokens_per_s"] for k, r in rows.items() if k.startswith("HF") and "tokens_per_s" in r}
+    if hf_rates:
+        out["hf_best"] = max(hf_rates, key=hf_rates.get)
+        if "tokens_per_s" in rows["lmfs engine"]:
+            out["lmfs_vs_hf_best"] = rows["lmfs engine"]["tokens_per_s"] / hf_rates[out["hf_best"]]
+    if "tokens_per_s" in rows["lmfs engine"]:
+        out["lmfs_of_roofline"] = rows["lmfs engine"]["of_roofline"]
+    for name, tokens in greedy.items():  # same weights, greedy: the tokens should mostly agree
+        if name != "lmfs" and "lmfs" in greedy:
+            same = sum(a == b for a, b in zip(tokens, greedy["lmfs"]))
+            rows[name]["greedy_tokens_equal_lmfs"] = f"{same}/{len(greedy['lmfs'])}"
+    return out
+
+
+def _hf_decode(model, prompt, sizes, device, roofline, kwargs, greedy, name) -> dict:
+    hf = hf_llama(model)
+    ids = torch.tensor([prompt], device=device)
+    mask = torch.ones_like(ids)
+
+    def generate(n):
+        with torch.no_grad():
+            return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, **kwargs)
+
+    rate = decode_rate(generate, sizes.decode_tokens, sizes.repeats, device)
+    greedy[name] = generate(sizes.decode_tokens)[0, len(prompt):].tolist()
+    del hf
+    return {"tokens_per_s": rate, "of_roofline": rate / roofline}
+
+
+# ---------------------------------------------------------------------- (b, c) trace throughput
+
+def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool, result: dict) -> dict:
+    trace = request_trace(sizes.trace_requests, sizes.prompt_range, sizes.output_range, model.config.vocab_size)
+    useful = sum(o for _, o in trace)
+    out = {"requests": len(trace), "prompt_tokens": sum(len(p) for p, _ in trace), "output_tokens": useful,
+           "rows": {}}
+    print(f"  {len(trace)} requests, {out['prompt_tokens']:,} prompt + {useful:,} output tokens")
+    rows = out["rows"]
+
+    def lmfs_engine():
+        from lmfs.inference import LLM, SamplingParams
+
+        llm = LLM(model, progress=False)
+        warm_up(llm)
+        params = [SamplingParams(max_tokens=o, temperature=0.0) for _, o in trace]
+        outs = []
+        seconds = _wall(lambda: outs.extend(llm.generate([p for p, _ in trace], params)), device)
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
+        produced = sum(len(o.token_ids) for o in outs)
+        if produced != useful:
+            raise RuntimeError(f"the engine produced {produced} tokens, the trace asked for {useful}")
+        result["paged_kv"] = paged_memory(llm.stats)  # the statistics of the last generate call
+        return {"seconds": seconds, "tokens_per_s": useful / seconds}
+
+    _peer(rows, "lmfs engine", lmfs_engine)
+    _free(device)
+    if hf:
+        started = time.perf_counter()
+        for batch in sizes.hf_batch_sizes:
+            if time.perf_counter() - started > sizes.hf_seconds:
+                rows[f"HF static batch {batch}"] = {"error": f"left out: earlier batch sizes took over "
+                                                             f"{sizes.hf_seconds:.0f} s"}
+                continue
+            _peer(rows, f"HF static batch {batch}", lambda batch=batch: _hf_batch(model, trace[:batch], device))
+            _free(device)
+    hf_rates = {k: r["tokens_per_s"] for k, r in rows.items() if k.startswith("HF") and "tokens_per_s" in r}
+    if hf_rates:
+        out["hf_best"] = max(hf_rates, key=hf_rates.get)
+        out["hf_note"] = "one batch of the trace's first B requests per batch size, tokens/s extrapolated"
+        if "tokens_per_s" in rows["lmfs engine"]:
+            out["lmfs_vs_hf_best"] = rows["lmfs engine"]["tokens_per_s"] / hf_rates[out["hf_best"]]
+    return out
+
+
+def _hf_batch(model: TransformerLM, requests: list[tuple[list[int], int]], device: torch.device) -> dict:
+    """One static batch through Hugging Face ``generate``: prompts left-padded to the longest, the
+    batch runs to the longest output; only each request's own output length counts."""
+    hf = hf_llama(model)
+    width = max(len(p) for p, _ in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, _) in enumerate(requests):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    longest = max(o for _, o in requests)
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        seconds = _wall(lambda: hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                                            min_new_tokens=longest, do_sample=False, disable_compile=True),
+                        device)
+    del hf
+    useful = sum(o for _, o in requests)
+    return {"seconds": seconds, "tokens_per_s": useful / seconds,
+            "padding_waste": 1 - useful / (len(requests) * longest)}
+
+
+def warm_up(llm) -> None:
+    """One request per batch size up to ``llm.max_batch_size`` finishing one step apart, so the
+    decode batch passes through every size: each CUDA graph is captured before timing starts."""
+    from lmfs.inference import SamplingParams
+
+    n = llm.max_batch_size if llm.cuda_graphs else 2  # without graphs one short run warms up enough
+    llm.generate([[1 + i % 7] * 4 for i in range(n)], [SamplingParams(max_tokens=i + 1, temperature=0.0)
+                                                       for i in range(n)])
+
+
+def paged_memory(stats: dict) -> dict:
+    """KV memory the engine held (whole blocks) against the bytes of the tokens it cached, both summed
+    over its decode steps (``llm.stats`` of the trace's ``generate`` call), so the ratio is an average
+    over the run."""
+    return {"kv_in_use_over_cached": stats["kv_bytes_in_use"] / max(stats["kv_bytes_of_tokens"], 1),
+            "preemptions": stats["preemptions"], "decode_steps": stats["decode_steps"],
+            "prefill_steps": stats["prefill_steps"]}
+
+
+# ------------------------------------------------------------------------ (d) speculative decoding
+
+def train_pair(cfg, device: torch.device, seed: int = 0):
+    """Lecture 10's target and draft (sizes and training from ``cfg``, its
+    :func:`~lmfs.scales.lecture_config`), trained on the same tokens of the stories corpus; returns
+    both in eval mode and the tokens."""
+    from lmfs.train import TrainConfig, prepare_tokens, train
+
+    tokens = prepare_tokens("stories", n_bytes=cfg.corpus_bytes, vocab_size=cfg.vocab_size, seed=seed)
+    run = TrainConfig(steps=cfg.target_steps, batch_size=cfg.batch_size, context_length=cfg.train_context,
+                      lr=cfg.lr, warmup_steps=cfg.warmup_steps, eval_batches=cfg.eval_batches, seed=seed)
+    models = {}
+    for name, fields, steps in (("target", cfg.target, cfg.target_steps), ("draft", cfg.draft, cfg.draft_steps)):
+        torch.manual_seed(seed)
+        model = TransformerLM(TransformerConfig(vocab_size=tokens.vocab_size, **fields))
+        history = train(model, tokens.train, dataclasses.replace(run, steps=steps), val_data=tokens.val,
+                        device=device, progress=False)
+        models[name] = model.eval()
+        print(f"  {name}: {model.num_params() / 1e6:.2f} M parameters, val loss {history.val_loss[-1]:.3f}",
+              flush=True)
+    return models["target"], models["draft"], tokens
+
+
+def speculative(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
+    from lmfs.inference import SamplingParams, generate_static
+    from lmfs.inference.speculative import speculative_generate
+
+    cfg = lecture_config("10", sizes.scale)
+    target, draft, tokens = train_pair(cfg, device)
+    target, draft = target.to(dtype), draft.to(dtype)
+    prompt = torch.from_numpy(np.asarray(tokens.val[:16], dtype=np.int64))[None].to(device)
+    n, temperature = cfg.spec_tokens, 1.0
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+
+    def plain_decode(tokens):  # the target alone, through the same contiguous cache and cached forward
+        return generate_static(target, prompt.tolist(), SamplingParams(max_tokens=tokens, temperature=temperature))
+
+    plain_decode(8)  # warm-up
+    plain = statistics.median(_wall(lambda: plain_decode(n), device) for _ in range(3))
+    out = {"target_params": target.num_params(), "draft_params": draft.num_params(),
+           "plain_tokens_per_s": n / plain, "rows": {}}
+    print(f"  plain decoding of the target: {n / plain:,.1f} tokens/s")
+    for k in cfg.spec_k:
+        def run_k(k=k):
+            speculative_generate(target, draft, prompt, 8, k=k, temperature=temperature, generator=gen)  # warm-up
+            times, rates = [], []
+            for _ in range(3):
+                result = {}
+                times.append(_wall(lambda: result.update(out=speculative_generate(
+                    target, draft, prompt, n, k=k, temperature=temperature, generator=gen)), device))
+                rates.append(result["out"][1]["acceptance_rate"])
+            seconds = statistics.median(times)
+            return {"tokens_per_s": n / seconds, "speedup": plain / seconds,
+                    "acceptance_rate": float(statistics.mean(rates))}
+
+        _peer(out["rows"], f"k={k}", run_k)
+    speedups = {name: r["speedup"] for name, r in out["rows"].items() if "speedup" in r}
+    if speedups:
+        out["best"] = max(speedups, key=speedups.get)
+        out["best_speedup"] = speedups[out["best"]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------- run
+
+def run(device=None, tiny: bool = False, hf: bool = True, spec: bool = True) -> dict:
+    """Run every section; print each row as it comes and a summary of ratios; return the numbers."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    tiny = tiny or not cuda
+    config, sizes = (TINY, CPU_SIZES) if tiny else (LLAMA_1B, GPU_SIZES)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        print("no CUDA GPU: a tiny model on the CPU, to exercise the code; real numbers need a CUDA GPU")
+    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "dtype": str(dtype).replace("torch.", ""), "tiny": tiny, "model": dataclasses.asdict(config),
+              "sizes": dataclasses.asdict(sizes)}
+    if hf:
+        try:
+            import transformers
+            result["transformers"] = transformers.__version__
+        except ImportError as err:
+            result["hf_note"] = f"Hugging Face transformers not importable ({err}): HF rows left out"
+            print(result["hf_note"])
+            hf = False
+    started = time.perf_counter()
+    model = build_model(config, device, dtype)
+    result["params"] = model.num_params()
+    print(f"model: {result['params'] / 1e9:.3g} B parameters, {result['dtype']} on {result['device']}")
+    _section(result, "decode_batch1", lambda: batch1_decode(model, sizes, device, hf))
+    _free(device)
+    _section(result, "trace", lambda: trace_throughput(model, sizes, device, hf, result))
+    result.setdefault("paged_kv", {"error": "the engine's trace run did not finish"})
+    del model
+    _free(device)
+    if spec:
+        _section(result, "speculative", lambda: speculative(sizes, device, dtype))
+    else:
+        result["speculative"] = {"error": "left out (--skip spec)"}
+    result["total_seconds"] = time.perf_counter() - started
+    result["ratios"] = ratios(result)
+    print_summary(result)
+    return result
+
+
+def ratios(result: dict) -> dict:
+    """The figures the performance goals are stated in (those that were measured)."""
+    out = {}
+    decode, trace = result.get("decode_batch1", {}), result.get("trace", {})
+    for key, name in (("lmfs_of_roofline", "decode: lmfs / HBM roofline"),
+                      ("lmfs_vs_hf_best", "decode: lmfs / fastest HF")):
+        if key in decode:
+            out[name] = decode[key]
+    if "lmfs_vs_hf_best" in trace:
+        out["trace: lmfs / best static-batch HF"] = trace["lmfs_vs_hf_best"]
+    if "kv_in_use_over_cached" in result.get("paged_kv", {}):
+        out["paged KV in use / cached bytes"] = result["paged_kv"]["kv_in_use_over_cached"]
+    spec = result.get("speculative", {})
+    if "best_speedup" in spec:
+        out[f"speculative ({spec['best']}) / plain"] = spec["best_speedup"]
+    return out
+
+
+def print_summary(result: dict) -> None:
+    print(f"\nsummary ({result['dtype']} on {result['device']}, {result['params'] / 1e9:.3g} B parameters, "
+          f"{result['total_seconds']:.0f} s):")
+    goals = {"decode: lmfs / HBM roofline": "≥ 0.70", "decode: lmfs / fastest HF": "≥ 2",
+             "trace: lmfs / best static-batch HF": "≥ 10", "paged KV in use / cached bytes": "≤ 1.1"}
+    for name, value in result["ratios"].items():
+        goal = goals.get(name, "≥ 1.8" if name.startswith("speculative") else "")
+        print(f"  {name:<40} {value:8.3f}   goal {goal}")
+    decode = result.get("decode_batch1", {})
+    if "hf_best" in decode:
+        agree = ", ".join(f"{name} {row['greedy_tokens_equal_lmfs']}" for name, row in decode["rows"].items()
+                          if "greedy_tokens_equal_lmfs" in row)
+        print(f"  (fastest HF decode: {decode['hf_best']}; greedy tokens equal to lmfs's: {agree})")
+    trace = result.get("trace", {})
+    if "hf_best" in trace:
+        print(f"  (best HF static batching: {trace['hf_best']}; {trace['hf_note']})")
+    spec = result.get("speculative", {})
+    if "best" in spec:
+        row = spec["rows"][spec["best"]]
+        print(f"  (speculative: acceptance {row['acceptance_rate']:.2f} at {spec['best']}; target "
+              f"{spec['target_params'] / 1e6:.1f} M, draft {spec['draft_params'] / 1e6:.2f} M parameters)")
+    for name in ("decode_batch1", "trace", "paged_kv", "speculative"):
+        if "error" in result.get(name, {}):
+            print(f"  {name}: ERROR {result[name]['error']}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m lmfs.benchmarks inference",
+                                     description="batch-1 decode vs the HBM roofline and HF generate; "
+                                                 "trace throughput vs HF static batching; paged KV memory; "
+                                                 "speculative decoding")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model and trace, also on a GPU")
+    parser.add_argument("--skip", default="", help="comma-separated: hf (no Hugging Face rows), spec "
+                                                   "(no speculative decoding)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - {"hf", "spec"}:
+        parser.error(f"--skip takes hf and/or spec, got {sorted(skip - {'hf', 'spec'})}")
+    result = run(args.device, tiny=args.tiny, hf="hf" not in skip, spec="spec" not in skip)
+    save_json(result, args.json)
+    return result

@@ -1,0 +1,29 @@
+"""Inference: KV caches, cached forward passes, sampling, and a continuous-batching engine.
+
+* :mod:`lmfs.inference.kv_cache`: the contiguous :class:`KVCache`, the paged :class:`PagedKVCache`
+  with its :class:`BlockAllocator` (prefix sharing), :func:`paged_attention_reference`.
+* :mod:`lmfs.inference.runner`: :func:`forward_cached` and the engine's :func:`paged_forward`.
+* :mod:`lmfs.inference.sampling`: :class:`SamplingParams` and :func:`sample`.
+* :mod:`lmfs.inference.engine`: :class:`LLM` (continuous batching over the paged cache),
+  and :func:`generate_static` (batched generation with the contiguous cache: static batching).
+* :mod:`lmfs.inference.quantize`: weight-only int8/int4 group-wise quantisation, AWQ scaling.
+* :mod:`lmfs.inference.speculative`: speculative decoding with a draft model, exact acceptance rule.
+"""
+
+from lmfs.inference.engine import LLM, RequestOutput, generate_static
+from lmfs.inference.kv_cache import (BlockAllocator, KVCache, PagedKVCache, kv_bytes_per_token,
+                                     paged_attention_reference)
+from lmfs.inference.runner import PagedBatch, forward_cached, gathered_batch, paged_forward
+from lmfs.inference.quantize import (QuantizedWeight, QuantLinear, dequantize_weight, model_weight_bytes,
+                                     quantize_model, quantize_weight)
+from lmfs.inference.sampling import SamplingParams, process_logits, sample
+from lmfs.inference.speculative import (acceptance_probability, speculative_generate, speculative_step,
+                                        speculative_step_distribution)
+
+__all__ = [
+    "BlockAllocator", "KVCache", "LLM", "RequestOutput", "generate_static", "PagedBatch", "PagedKVCache", "forward_cached", "gathered_batch",
+    "kv_bytes_per_token", "paged_attention_reference", "paged_forward", "process_logits", "sample",
+    "SamplingParams", "QuantizedWeight", "QuantLinear", "dequantize_weight", "model_weight_bytes", "quantize_model",
+    "quantize_weight", "acceptance_probability", "speculative_generate", "speculative_step",
+    "speculative_step_distribution",
+]

@@ -1,0 +1,269 @@
+"""Forward passes of a :class:`~lmfs.nn.TransformerLM` that read and fill a KV cache.
+
+:meth:`TransformerLM.forward` recomputes the keys and values of the whole context at every step.
+These functions compute them once per token and keep them: each new token's query attends to the
+cached keys. They reuse the model's own modules (``block.attn.q_proj``, ``block.residual``,
+``block.feed_forward``, ``model.head`` ...), never copy a weight, and follow the same order of
+operations, so every architectural choice of :class:`~lmfs.nn.TransformerConfig` (GQA/MQA, MLA,
+every position kind, QK-norm, soft-caps, sliding window, norm positions, parallel blocks, MoE)
+behaves exactly as in the uncached forward.
+
+* :func:`forward_cached`: the contiguous :class:`~lmfs.inference.KVCache`; ``T`` new tokens per
+  row, all rows at the same length (optionally left-padded).
+* :func:`paged_forward`: the paged :class:`~lmfs.inference.PagedKVCache`, for the engine. A
+  :class:`PagedBatch` describes which new tokens go where: several prompts (or prompt suffixes
+  after a shared prefix) packed into one row for prefill, or one token per sequence for decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from lmfs.nn.attention import attention_reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces of the model's forward, taken apart at the point where the cache comes in
+
+def _embed(model, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Token (+ absolute position) embeddings of ``idx`` ``(B, T)`` at ``positions`` ``(T,)``/``(B, T)``."""
+    x = model.tok_emb(idx)
+    if model.pos_emb is not None:
+        x = x + model.pos_emb(positions)
+    return x
+
+
+def _run_blocks(model, x: torch.Tensor, idx: torch.Tensor,
+                attend: Callable[[int, torch.nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Every block of ``model`` on ``x`` ``(B, T, d)``, with ``attend(layer, attn, h)`` in place of
+    ``attn(h)``; then the final norm. Mirrors :meth:`lmfs.nn.Block.forward`, through the block's own
+    ``residual`` and ``feed_forward`` (so norm positions, parallel blocks and MoE come for free)."""
+    for layer, block in enumerate(model.blocks):
+        def attn_branch(h, layer=layer, block=block):
+            return attend(layer, block.attn, h)
+        if block.parallel:
+            x = block.residual(x, lambda h: attn_branch(h) + block.feed_forward(h, idx), 0)
+        else:
+            x = block.residual(x, attn_branch, 0)
+            x = block.residual(x, lambda h: block.feed_forward(h, idx), 1)
+    return model.final_norm(x) if model.final_norm is not None else x
+
+
+def _queries(attn, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(B, T, d)`` -> query heads ``(B, H, T, hd)``, QK-normed and rotated like the model does."""
+    q = rearrange(attn.q_proj(x), "b t (h d) -> b h t d", h=attn.n_heads)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    return attn.rope(q, positions) if attn.rope is not None else q
+
+
+def _kv_input(attn, x: torch.Tensor) -> torch.Tensor:
+    """What keys and values are projected from: ``x`` itself, or MLA's normed latent ``c``."""
+    return attn.kv_norm(attn.kv_down(x)) if attn.mla else x
+
+
+def _keys_values(attn, kv_in: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, S, d_in)`` -> key and value heads ``(B, KV, S, hd)``, keys normed and rotated."""
+    k = rearrange(attn.k_proj(kv_in), "b s (h d) -> b h s d", h=attn.n_kv_heads)
+    v = rearrange(attn.v_proj(kv_in), "b s (h d) -> b h s d", h=attn.n_kv_heads)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return (attn.rope(k, positions) if attn.rope is not None else k), v
+
+
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Masked attention: ``q`` ``(B, H, T, hd)``, ``k``/``v`` ``(B, KV, S, hd)``, ``allowed`` a bool mask
+    broadcasting to ``(B, H, T, S)``. Returns ``(B, T, H·hd)``. Every query row must allow at least
+    one key (a fully masked row would turn into NaN and spread through the cache)."""
+    groups = attn.n_heads // attn.n_kv_heads
+    if groups > 1:  # K/V head j serves query heads j·groups .. (j+1)·groups - 1, as in the model
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+    if attn.softcap is not None:  # SDPA cannot soft-cap: the written-out path, as the model does
+        out = attention_reference(q, k, v, mask, attn.softcap)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return rearrange(out, "b h t d -> b t (h d)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Contiguous cache
+
+@torch.no_grad()
+def forward_cached(model, idx: torch.Tensor, cache) -> torch.Tensor:
+    """Run ``model`` on ``idx`` ``(B, T)``, the tokens at positions ``cache.length .. cache.length+T-1``;
+    return their logits ``(B, T, V)`` and advance ``cache.length`` by ``T``.
+
+    The new tokens' keys and values (MLA: latents) are written into ``cache`` and their queries
+    attend to everything cached before them and to each other, causally (and within the sliding
+    window, if any). A prompt is one call; each generated token is one more call with ``T = 1``.
+    With ``cache.pad`` (left padding), row ``b``'s first ``pad[b]`` slots are never attended to and
+    its positions start after them.
+    """
+    B, T = idx.shape
+    P, S = cache.length, cache.length + T
+    if B != cache.batch_size:
+        raise ValueError(f"idx has {B} rows but the cache was made for batch_size={cache.batch_size}")
+    if S > cache.max_len:
+        raise ValueError(f"{P} cached + {T} new tokens exceed the cache's max_len={cache.max_len}: "
+                         "make a longer cache (max_len <= context_length)")
+    dev = idx.device
+    i = torch.arange(P, S, device=dev)              # absolute slots of the new tokens (T,)
+    j = torch.arange(S, device=dev)                 # slots of every key (S,)
+    allowed = j[None, :] <= i[:, None]              # (T, S)
+    if model.config.window is not None:
+        allowed &= (i[:, None] - j[None, :]) < model.config.window
+    if cache.pad is None:
+        positions, key_positions = i, j
+    else:
+        pad = cache.pad[:, None]
+        positions, key_positions = (i[None] - pad).clamp(min=0), (j[None] - pad).clamp(min=0)
+        # Padding slots are never keys; a padding query sees only itself so its row stays finite.
+        real_key = j[None, None, :] >= pad[:, :, None]                         # (B, 1, S)
+        allowed = (allowed[None] & real_key) | (j[None, :] == i[:, None])[None]
+        allowed = allowed[:, None]                                             # (B, 1, T, S)
+
+    def attend(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
+        q = _queries(attn, h, positions)
+        kv_in = _kv_input(attn, h)
+        if cache.mla:
+            cache.latent[layer][:, P:S] = kv_in
+            k, v = _keys_values(attn, cache.latent[layer][:, :S].to(h.dtype), key_positions)
+        else:
+            k, v = _keys_values(attn, kv_in, positions)
+            cache.k[layer][:, :, P:S] = k
+            cache.v[layer][:, :, P:S] = v
+            k, v = cache.k[layer][:, :, :S].to(h.dtype), cache.v[layer][:, :, :S].to(h.dtype)
+        return attn.o_proj(_attend(attn, q, k, v, allowed))
+
+    x = _run_blocks(model, _embed(model, idx, positions), idx, attend)
+    cache.length = S
+    return model.head(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged cache
+
+@dataclass
+class PagedBatch:
+    """One forward over a :class:`~lmfs.inference.PagedKVCache`: ``N`` new tokens packed in one row.
+
+    ``tokens``, ``positions``, ``slots`` ``(N,)``: the new tokens, their positions in their own
+    sequences, and the flat cache slot (``block·block_size + offset``) each one's keys go to.
+
+    Attention takes one of two paths:
+
+    * ``decode`` (one new token per sequence, ``N = B``): ``block_tables`` ``(B, max_blocks)`` and
+      ``seq_lens`` ``(B,)`` feed a paged decode-attention function (the kernel or the reference);
+    * gathered (prefill, and MLA): ``key_slots``/``key_positions`` ``(M,)`` list every key the new
+      tokens may read (cached prefix included), and ``allowed`` ``(N, M)`` says which query reads
+      which key (same sequence, causal, within the window).
+
+    ``logit_rows`` ``(R,)``: the tokens whose logits are wanted (a prompt's last), ``None`` for all.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    key_slots: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
+    logit_rows: torch.Tensor | None = None
+
+    @property
+    def decode(self) -> bool:
+        return self.key_slots is None
+
+
+def gathered_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_size: int,
+                   window: int | None, device) -> PagedBatch:
+    """The :class:`PagedBatch` of several sequences' new tokens, on the gathered attention path.
+
+    ``chunks``: per sequence ``(new token ids, start, block table)``: the new tokens sit at
+    positions ``start .. start + n - 1`` (the first ``start`` are cached already, e.g. a shared
+    prefix) and the block table (a list of block ids) covers all of them. Logits are asked for at
+    each sequence's last new token.
+    """
+    tokens, positions, slots, q_seq, key_slots, key_pos, k_seq, last = [], [], [], [], [], [], [], []
+    n_done = 0
+    for s, (new, start, table) in enumerate(chunks):
+        end = start + len(new)
+        if len(table) * block_size < end:
+            raise ValueError(f"a block table of {len(table)} blocks holds {len(table) * block_size} "
+                             f"tokens, not {end}")
+        table_t = torch.tensor(table, dtype=torch.long)
+        pos = torch.arange(end)
+        slot = table_t[pos // block_size] * block_size + pos % block_size   # (end,) every key's slot
+        tokens.append(torch.as_tensor(list(new), dtype=torch.long))
+        positions.append(pos[start:])
+        slots.append(slot[start:])
+        q_seq.append(torch.full((len(new),), s))
+        key_slots.append(slot)
+        key_pos.append(pos)
+        k_seq.append(torch.full((end,), s))
+        n_done += len(new)
+        last.append(n_done - 1)
+    cat = lambda xs: torch.cat(xs).to(device)   # noqa: E731
+    qpos, kpos, qs, ks = cat(positions), cat(key_pos), cat(q_seq), cat(k_seq)
+    allowed = (qs[:, None] == ks[None, :]) & (kpos[None, :] <= qpos[:, None])
+    if window is not None:
+        allowed &= (qpos[:, None] - kpos[None, :]) < window
+    return PagedBatch(cat(tokens), qpos, cat(slots), key_slots=cat(key_slots), key_positions=kpos,
+                      allowed=allowed, logit_rows=torch.tensor(last, device=device))
+
+
+DecodeAttention = Callable[..., torch.Tensor]
+
+
+@torch.no_grad()
+def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAttention | None = None) -> torch.Tensor:
+    """Run ``model`` on the new tokens of ``batch``, writing their keys and values (MLA: latents)
+    into ``cache``; return the logits ``(R, V)`` of ``batch.logit_rows`` (all ``N`` tokens if None).
+
+    Decode batches use ``decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **kw)``
+    (:func:`~lmfs.inference.paged_attention_reference` by default, or the Triton kernel; ``kw``
+    holds ``window``/``softcap`` only when the model uses them). MLA caches latents, which the
+    decode functions cannot read: its decode batches must come gathered (:func:`gathered_batch`).
+    Only tensor operations run here, no host sync, so a decode call can be captured in a CUDA graph.
+    """
+    from lmfs.inference.kv_cache import paged_attention_reference
+    decode_attention = decode_attention or paged_attention_reference
+    cfg = model.config
+    extra = {k: v for k, v in (("window", cfg.window), ("softcap", cfg.attn_softcap)) if v is not None}
+    if batch.decode and cache.mla:
+        raise ValueError("an MLA cache holds latents: build its decode batches with gathered_batch")
+    idx = batch.tokens[None]                                  # (1, N): one packed row
+    positions = batch.positions
+
+    def attend(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
+        q = _queries(attn, h, positions)                      # (1, H, N, hd)
+        kv_in = _kv_input(attn, h)
+        k_flat = cache.k[layer].flatten(0, 1)                 # (num_blocks·block_size, KV, hd): a view
+        if cache.mla:
+            k_flat.index_copy_(0, batch.slots, kv_in[0, :, None].to(k_flat.dtype))
+            latent = k_flat[batch.key_slots][None, :, 0].to(h.dtype)          # (1, M, L)
+            k, v = _keys_values(attn, latent, batch.key_positions)
+            return attn.o_proj(_attend(attn, q, k, v, batch.allowed))
+        k, v = _keys_values(attn, kv_in, positions)           # (1, KV, N, hd)
+        v_flat = cache.v[layer].flatten(0, 1)
+        k_flat.index_copy_(0, batch.slots, k[0].transpose(0, 1).to(k_flat.dtype))
+        v_flat.index_copy_(0, batch.slots, v[0].transpose(0, 1).to(v_flat.dtype))
+        if batch.decode:
+            out = decode_attention(q[0].transpose(0, 1).contiguous(), cache.k[layer], cache.v[layer],
+                                   batch.block_tables, batch.seq_lens, **extra)   # (N, H, hd)
+            return attn.o_proj(out.to(h.dtype).reshape(1, out.shape[0], -1))
+        k = k_flat[batch.key_slots].transpose(0, 1)[None].to(h.dtype)          # (1, KV, M, hd)
+        v = v_flat[batch.key_slots].transpose(0, 1)[None].to(h.dtype)
+        return attn.o_proj(_attend(attn, q, k, v, batch.allowed))
+
+    x = _run_blocks(model, _embed(model, idx, positions), idx, attend)
+    if batch.logit_rows is not None:
+        x = x[:, batch.logit_rows]
+    return model.head(x)[0]

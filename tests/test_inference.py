@@ -1,0 +1,369 @@
+"""lmfs.inference: caches, cached forwards, sampling and the engine, each against an independent
+reference (the uncached model, lmfs.nn.generate, brute-force filters, dense attention)."""
+
+import math
+
+import pytest
+import torch
+from helpers import DEVICE
+
+from lmfs.inference import (LLM, BlockAllocator, KVCache, PagedKVCache, SamplingParams, forward_cached,
+                            gathered_batch, generate_static, paged_attention_reference, paged_forward,
+                            process_logits, sample)
+from lmfs.nn import TransformerConfig, TransformerLM, generate
+from lmfs.tokenization import Tokenizer
+
+BASE = dict(vocab_size=97, context_length=48, d_model=32, n_layers=2, n_heads=4)
+VARIANTS = {
+    "mha": {}, "gqa": dict(n_kv_heads=2), "mqa": dict(n_kv_heads=1),
+    "mla": dict(attention="mla", kv_latent_dim=8, n_kv_heads=2),
+    "window": dict(window=5, n_kv_heads=2), "learned": dict(positions="learned"),
+    "sinusoidal": dict(positions="sinusoidal"), "nope": dict(positions="none"),
+    "post_layernorm": dict(norm_position="post", norm="layer", ffn="gelu"),
+    "double_parallel": dict(norm_position="double", parallel=True),
+    "qknorm_softcaps": dict(qk_norm=True, attn_softcap=5.0, logit_softcap=3.0),
+    "moe": dict(moe_experts=4, moe_top_k=2, moe_shared_experts=1), "moe_hash": dict(moe_experts=4, moe_router="hash"),
+}
+
+
+def tiny(seed=0, **fields):
+    torch.manual_seed(seed)
+    return TransformerLM(TransformerConfig(**{**BASE, **fields})).eval()
+
+
+def random_prompts(lengths, vocab=97, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_reference(model, prompts, n):
+    device = next(model.parameters()).device
+    return [generate(model, torch.tensor([p], device=device), n, temperature=0)[0, len(p):].tolist() for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# Cached forwards
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_forward_cached_equals_uncached(name):
+    model = tiny(**VARIANTS[name])
+    idx = torch.randint(0, 97, (2, 20))
+    reference, _ = model(idx)
+    cache = KVCache.for_model(model, batch_size=2, max_len=24)
+    pieces = [forward_cached(model, idx[:, :7], cache)]             # a prompt, then one token at a time
+    pieces += [forward_cached(model, idx[:, t:t + 1], cache) for t in range(7, 20)]
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(pieces, 1), reference, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_truncate_and_bytes():
+    model = tiny(n_kv_heads=2)
+    idx = torch.randint(0, 97, (1, 12))
+    reference, _ = model(idx)
+    cache = KVCache.for_model(model, 1, 16)
+    forward_cached(model, idx[:, :8], cache)
+    forward_cached(model, torch.randint(0, 97, (1, 3)), cache)      # rejected draft tokens
+    cache.truncate(8)
+    torch.testing.assert_close(forward_cached(model, idx[:, 8:], cache), reference[:, 8:], atol=1e-4, rtol=0)
+    c = model.config    # keys and values, n_layers · n_kv_heads · head_dim floats each, per token
+    assert cache.bytes_used == 12 * 2 * c.n_layers * 2 * c.head_dim * 4
+    assert cache.nbytes == 16 * 2 * c.n_layers * 2 * c.head_dim * 4
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(13)
+
+
+def test_paged_attention_reference_matches_dense_attention():
+    torch.manual_seed(0)
+    B, H, KV, d, bs, nb = 3, 8, 2, 16, 4, 20
+    k_cache, v_cache = torch.randn(nb, bs, KV, d), torch.randn(nb, bs, KV, d)
+    lens = torch.tensor([1, 7, 13], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(nb)[:4] for _ in range(B)]).to(torch.int32)  # scattered blocks
+    q = torch.randn(B, H, d)
+    for window in (None, 3):
+        out = paged_attention_reference(q, k_cache, v_cache, tables, lens, window=window)
+        for b in range(B):
+            n = int(lens[b])
+            k = k_cache[tables[b].long()].flatten(0, 1)[:n]            # (n, KV, d) in position order
+            v = v_cache[tables[b].long()].flatten(0, 1)[:n]
+            first = 0 if window is None else max(0, n - window)
+            kh = k[first:].transpose(0, 1).repeat_interleave(H // KV, 0)    # (H, n', d)
+            vh = v[first:].transpose(0, 1).repeat_interleave(H // KV, 0)
+            dense = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], kh, vh)[:, 0]
+            torch.testing.assert_close(out[b], dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla", "window", "moe"])
+def test_paged_forward_equals_contiguous(name):
+    """Prefill two prompts packed (one after a shared, already cached prefix), then decode one
+    token each over scattered blocks: the logits of the model on the full sequences."""
+    model = tiny(**VARIANTS[name])
+    bs = 4
+    cache = PagedKVCache.for_model(model, num_tokens=64, block_size=bs)
+    seqs = random_prompts([10, 13])
+    tables = [[5, 2, 9, 1], [7, 3, 11, 4]]
+    full = [model(torch.tensor([s]))[0][0] for s in seqs]
+    # Sequence 1's first 4 tokens are prefilled alone first (a cached prefix).
+    paged_forward(model, cache, gathered_batch([(seqs[1][:4], 0, tables[1])], bs, model.config.window, "cpu"))
+    chunks = [(seqs[0][:9], 0, tables[0]), (seqs[1][4:12], 4, tables[1])]
+    logits = paged_forward(model, cache, gathered_batch(chunks, bs, model.config.window, "cpu"))
+    torch.testing.assert_close(logits, torch.stack([full[0][8], full[1][11]]), atol=1e-4, rtol=0)
+    decode = [(seqs[0][9:10], 9, tables[0]), (seqs[1][12:13], 12, tables[1])]
+    if name == "mla":
+        logits = paged_forward(model, cache, gathered_batch(decode, bs, model.config.window, "cpu"))
+    else:
+        from lmfs.inference import PagedBatch
+        pos = torch.tensor([9, 12])
+        t = torch.tensor(tables, dtype=torch.int32)
+        slots = t[torch.arange(2), pos // bs].long() * bs + pos % bs
+        logits = paged_forward(model, cache, PagedBatch(torch.tensor([seqs[0][9], seqs[1][12]]), pos, slots,
+                                                        block_tables=t, seq_lens=(pos + 1).int()))
+    torch.testing.assert_close(logits, torch.stack([full[0][9], full[1][12]]), atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+def test_sampling_params_validation():
+    for bad, field in [(dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                       (dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(min_p=2), "min_p"),
+                       (dict(repetition_penalty=0), "repetition_penalty"), (dict(stop=[""]), "stop")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    assert SamplingParams(stop="x", stop_token_ids=[3]).stop == ("x",)
+
+
+def brute_force(z, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, penalty=1.0, seen=()):
+    """The filters of lmfs.inference.sampling, one token at a time with Python floats."""
+    z = [float(x) for x in z]
+    for t in set(seen):
+        z[t] = z[t] / penalty if z[t] > 0 else z[t] * penalty
+    z = [x / temperature for x in z]
+    V = len(z)
+    keep = [True] * V
+    if top_k is not None:
+        kth = sorted(z, reverse=True)[top_k - 1]
+        keep = [x >= kth for x in z]
+    if top_p < 1:
+        zs = [z[i] if keep[i] else -math.inf for i in range(V)]
+        total = sum(math.exp(x) for x in zs)
+        before = 0.0
+        for i in sorted(range(V), key=lambda i: -zs[i]):
+            if before >= top_p:
+                keep[i] = False
+            before += math.exp(zs[i]) / total
+    if min_p > 0:
+        zs = [z[i] if keep[i] else -math.inf for i in range(V)]
+        total = sum(math.exp(x) for x in zs)
+        p = [math.exp(x) / total for x in zs]
+        keep = [keep[i] and p[i] >= min_p * max(p) for i in range(V)]
+    zs = [z[i] if keep[i] else -math.inf for i in range(V)]
+    total = sum(math.exp(x) for x in zs)
+    return torch.tensor([math.log(math.exp(x) / total) if x > -math.inf else -math.inf for x in zs])
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.2),
+                                dict(penalty=1.5, seen=(0, 2, 2, 5)), dict(temperature=1.3, top_k=5, top_p=0.8, min_p=0.05)])
+def test_each_filter_against_brute_force(kw):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12) * 2
+    names = dict(penalty="repetition_penalty")
+    params = SamplingParams(**{names.get(k, k): v for k, v in kw.items() if k != "seen"})
+    seen = kw.get("seen", ())
+    got = torch.log_softmax(process_logits(logits, [params] * 4, [seen] * 4), dim=-1)
+    for row in range(4):
+        torch.testing.assert_close(got[row], brute_force(logits[row], **kw), atol=1e-5, rtol=1e-5)
+    # Samples come from that distribution: never a filtered token, frequencies close to the probabilities,
+    # and the reported log-probs are those of the processed distribution.
+    n = 20000
+    ids, logprobs = sample(logits[:1].expand(n, -1), [params] * n, None, [seen] * n if seen else None)
+    probs = got[0].exp()
+    assert probs[ids].min() > 0
+    freq = torch.bincount(ids, minlength=12).float() / n
+    assert (freq - probs).abs().max() < 0.02      # 4.5 standard deviations at p = 0.5
+    torch.testing.assert_close(logprobs, got[0][ids])
+
+
+def test_greedy_and_seeded_sampling():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    ids, logprobs = sample(logits, [SamplingParams(temperature=0)] * 3)
+    assert ids.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values)
+    seeded = SamplingParams(seed=7)
+    alone = [sample(logits[1:2], [seeded], [g])[0].item()
+             for g in [seeded.generator("cpu")] for _ in range(5)]
+    g = seeded.generator("cpu")
+    batched = [sample(logits, [SamplingParams(), seeded, SamplingParams(top_k=2)], [None, g, None])[0][1].item()
+               for _ in range(5)]
+    assert alone == batched
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "mla", "window", "moe", "qknorm_softcaps"])
+def test_engine_greedy_equals_generate(name):
+    model = tiny(**VARIANTS[name])
+    prompts = random_prompts([3, 9, 17, 5, 12])
+    reference = greedy_reference(model, prompts, 16)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    for kw in (dict(), dict(block_size=4, kv_cache_tokens=40)):      # the second forces preemptions
+        llm = LLM(model, **kw)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == reference
+        assert all(o.finish_reason == "length" for o in outs)
+        assert (llm.stats["preemptions"] > 0) == bool(kw)
+        assert llm.allocator.num_used == 0 and sorted(llm.free_rows) == list(range(llm.max_batch_size))
+    # Log-probs of greedy tokens: the model's log-softmax at those positions.
+    full = torch.tensor([prompts[1] + reference[1]])
+    logp = torch.log_softmax(model(full)[0][0, len(prompts[1]) - 1:-1], -1)
+    torch.testing.assert_close(torch.tensor(outs[1].logprobs), logp.gather(-1, full[0, len(prompts[1]):, None])[:, 0],
+                               atol=1e-4, rtol=0)
+
+
+def test_engine_with_the_triton_decode_kernel():
+    """attention="triton" (Triton's interpreter without a GPU) gives the reference path's tokens."""
+    model = tiny(n_kv_heads=2).to(DEVICE)
+    prompts = random_prompts([3, 7])
+    params = SamplingParams(max_tokens=4, temperature=0)
+    outs = LLM(model, block_size=4, attention="triton").generate(prompts, params)
+    assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 4)
+    with pytest.raises(ValueError, match="reference"):
+        LLM(tiny(window=4), attention="triton")
+
+
+def test_static_batching_equals_generate():
+    model = tiny(n_kv_heads=2, positions="learned")
+    prompts = random_prompts([3, 11, 6, 8, 2])
+    outs = generate_static(model, prompts, SamplingParams(max_tokens=10, temperature=0), batch_size=3)
+    assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 10)
+
+
+def test_prefix_sharing_saves_blocks_and_frees():
+    model = tiny()
+    shared = random_prompts([16])[0]
+    prompts = [shared + [1, 2, 3], shared + [4], shared[:9]]
+    params = SamplingParams(max_tokens=5, temperature=0)
+    llm = LLM(model, block_size=4)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 5)
+    # Prompts 2 and 3 reuse prompt 1's blocks 0..3 and 0..1: 16 + 8 tokens not recomputed.
+    assert llm.stats["shared_prefix_tokens"] == 24
+    assert llm.stats["prefill_tokens"] == sum(map(len, prompts)) - 24
+    assert llm.allocator.num_used == 0 and llm.allocator.by_hash == {}
+    alone = LLM(model, block_size=4)
+    for p in prompts:
+        alone.generate([p], params)
+    assert llm.stats["peak_kv_blocks"] < sum(math.ceil((len(p) + 5) / 4) for p in prompts)
+
+
+def test_block_allocator_reference_counts():
+    a = BlockAllocator(num_blocks=4, block_size=2)
+    assert a.usable == 3
+    b = a.allocate()
+    key = BlockAllocator.prefix_hashes([1, 2, 3, 4], 2, 2)
+    assert key != BlockAllocator.prefix_hashes([9, 2, 3, 4], 2, 2)[1:] and len(key) == 2
+    a.register(b, key[0])
+    assert a.lookup(key[0]) == b
+    a.share(b)
+    a.release(b)
+    assert a.num_used == 1 and a.lookup(key[0]) == b     # still one user
+    a.release(b)
+    assert a.num_used == 0 and a.lookup(key[0]) is None  # last user gone: freed and forgotten
+    with pytest.raises(RuntimeError, match="released"):
+        a.release(b)
+    [a.allocate() for _ in range(3)]
+    with pytest.raises(RuntimeError, match="no free"):
+        a.allocate()
+
+
+def test_seeded_request_same_alone_or_batched():
+    model = tiny()
+    prompts = random_prompts([5, 8, 3])
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=123)
+    alone = LLM(model).generate([prompts[1]], seeded)[0].token_ids
+    batch = LLM(model, block_size=4, kv_cache_tokens=32).generate(
+        prompts, [SamplingParams(max_tokens=12), seeded, SamplingParams(max_tokens=9, top_p=0.5)])
+    assert batch[1].token_ids == alone
+
+
+def test_bad_requests_get_errors_and_others_go_on():
+    model = tiny()
+    good = random_prompts([6])[0]
+    llm = LLM(model, block_size=4, kv_cache_tokens=32)
+    outs = llm.generate([[], good, list(range(48)), good + [500]] + [good],
+                        [SamplingParams(max_tokens=4, temperature=0)] * 4 + [SamplingParams(max_tokens=40)])
+    assert [o.finish_reason for o in outs] == ["error", "length", "error", "error", "error"]
+    assert "empty" in outs[0].error and "context_length" in outs[2].error
+    assert "vocabulary" in outs[3].error and "kv_cache_tokens" in outs[4].error
+    assert outs[1].token_ids == greedy_reference(model, [good], 4)[0] and outs[1].error is None
+    with pytest.raises(TypeError, match="tokenizer"):
+        llm.generate(["text"])
+
+
+def test_context_limit_stop_tokens_and_stream():
+    model = tiny()
+    prompt = random_prompts([40])[0]
+    reference = greedy_reference(model, [prompt], 8)[0]
+    llm = LLM(model)
+    out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0))[0]
+    assert out.token_ids == reference and out.finish_reason == "length"       # 40 + 8 = context_length
+    stop = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, stop_token_ids=[reference[3]]))[0]
+    assert stop.token_ids == reference[:reference.index(reference[3]) + 1] and stop.finish_reason == "stop"
+    events = list(llm.stream([prompt, prompt[:5]], SamplingParams(max_tokens=6, temperature=0)))
+    assert [t for i, t, _ in events if i == 0] == reference[:6]
+    assert len(events) == 12
+
+
+def test_stop_strings_with_a_tokenizer():
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    model = tiny(vocab_size=256)
+    llm = LLM(model, tokenizer=tok)
+    prompt = "hello"
+    full = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert full.text == tok.decode(full.token_ids)
+    stop = full.text[4:6]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    pieces = "".join(p for _, _, p in llm.stream([prompt], SamplingParams(max_tokens=12, temperature=0)))
+    assert pieces == full.text
+
+
+def test_kv_memory_in_use_close_to_cached_tokens():
+    model = tiny()
+    llm = LLM(model, block_size=4)
+    llm.generate(random_prompts([20, 24, 28, 32]), SamplingParams(max_tokens=16, temperature=0))
+    s = llm.stats
+    assert s["kv_bytes_of_tokens"] <= s["kv_bytes_in_use"] <= 1.1 * s["kv_bytes_of_tokens"]
+    assert s["kv_memory_ratio"] == s["kv_bytes_in_use"] / s["kv_bytes_of_tokens"]
+    assert s["decode_tokens"] == 4 * 15 and s["prefill_tokens"] == 104
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: CUDA graphs and the Triton decode kernel give the same tokens as the plain path
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_cuda_graphs_and_kernel_match_plain_gpu(attention):
+    model = tiny(n_kv_heads=2).cuda()
+    prompts = random_prompts([3, 9, 17, 5, 12, 30, 1])
+    params = SamplingParams(max_tokens=16, temperature=0)
+    plain = LLM(model, cuda_graphs=False, attention="reference").generate(prompts, params)
+    for kv in (None, 64):   # 64 tokens: preemptions while graphs replay
+        graphs = LLM(model, cuda_graphs=True, attention=attention, block_size=4, kv_cache_tokens=kv)
+        outs = graphs.generate(prompts, params)
+        assert graphs._graphs, "no CUDA graph was captured"
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        for a, b in zip(outs, plain):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_engine_bf16_seeded_gpu():
+    model = tiny().cuda().to(torch.bfloat16)
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=5)
+    prompts = random_prompts([4, 7, 9])
+    a = LLM(model).generate(prompts, params)
+    b = LLM(model).generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 20 for o in a)

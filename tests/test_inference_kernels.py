@@ -1,0 +1,166 @@
+"""The inference kernels against PyTorch: dequantise-matmul and paged decode attention.
+
+Without a GPU the kernels run in Triton's interpreter, so sizes stay small and include lengths
+that are not multiples of the blocks (to exercise the masks). Tests marked ``gpu`` use real sizes
+in bfloat16 and the autotuned paths.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, randn
+
+from lmfs.inference.kv_cache import paged_attention_reference
+from lmfs.inference.quantize import dequantize_weight, quantize_weight
+from lmfs.kernels.dequant_matmul import dequant_matmul, dequant_matmul_reference
+from lmfs.kernels.paged_attention import paged_decode_attention
+
+# Tolerances against a float32 reference: the output's rounding to its dtype dominates.
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2), torch.bfloat16: (1e-1, 2e-2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# dequant_matmul
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequant_matmul_matches_dequantize_then_matmul(bits, symmetric, dtype):
+    # M, N, K not multiples of the blocks; K spans several groups of 16.
+    M, N, K = 5, 37, 80
+    w = randn(N, K, seed=1) * 0.1
+    x = randn(M, K, seed=2, dtype=dtype)
+    qw = quantize_weight(w, bits=bits, group_size=16, symmetric=symmetric)
+    y = dequant_matmul(x, qw)
+    assert y.dtype == dtype and y.shape == (M, N)
+    reference = x.float() @ dequantize_weight(qw).T
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(y.float(), reference, atol=atol, rtol=rtol)
+    # and the module's own PyTorch path agrees with it
+    torch.testing.assert_close(dequant_matmul_reference(x.float(), qw), reference)
+
+
+def test_dequant_matmul_is_not_the_unquantised_product():
+    """The kernel really uses the codes: int4 differs from the float weight by the rounding."""
+    w, x = randn(32, 64, seed=3), randn(4, 64, seed=4)
+    qw = quantize_weight(w, bits=4, group_size=32)
+    y = dequant_matmul(x, qw)
+    assert (y - x @ w.T).abs().max() > 1e-2
+    torch.testing.assert_close(y, x @ dequantize_weight(qw).T, atol=1e-4, rtol=1e-4)
+
+
+def test_dequant_matmul_errors():
+    qw = quantize_weight(randn(8, 32), bits=8, group_size=16)
+    with pytest.raises(ValueError, match="expected x"):
+        dequant_matmul(randn(3, 16), qw)
+    with pytest.raises(TypeError, match="dtype"):
+        dequant_matmul(randn(3, 32).to(torch.int32), qw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_dequant_matmul_gpu(bits, M):
+    N, K = 4096, 2048
+    w = randn(N, K, seed=5) * 0.02
+    x = randn(M, K, seed=6, dtype=torch.bfloat16)
+    qw = quantize_weight(w, bits=bits, group_size=128)
+    y = dequant_matmul(x, qw, autotune_candidates=3)
+    reference = x.float() @ dequantize_weight(qw).T
+    torch.testing.assert_close(y.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_decode_attention
+
+
+def paged_cache(seq_lens, block_size, n_kv_heads, head_dim, dtype=torch.float32, seed=0):
+    """A pool of KV blocks with each sequence's blocks scattered in a random order over it, and
+    the block tables that find them. Returns (k_cache, v_cache, block_tables, seq_lens)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    max_blocks = max(need)
+    num_blocks = sum(need) + 3  # some pool blocks belong to nobody
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = order[used:used + n].int()
+        used += n
+    k = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g)
+    return (k.to(DEVICE, dtype), v.to(DEVICE, dtype), tables.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
+
+
+def brute_force_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    """One sequence, one query head at a time: collect its keys and values block by block from
+    the table, then softmax attention in float64."""
+    B, n_heads, head_dim = q.shape
+    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.zeros(B, n_heads, head_dim, dtype=torch.float64)
+    for b in range(B):
+        n = int(seq_lens[b])
+        keys, values = [], []
+        for i in range(math.ceil(n / block_size)):
+            block = int(block_tables[b, i])
+            rows = min(block_size, n - i * block_size)
+            keys.append(k_cache[block, :rows].double().cpu())
+            values.append(v_cache[block, :rows].double().cpu())
+        keys, values = torch.cat(keys), torch.cat(values)  # (n, n_kv_heads, head_dim)
+        for h in range(n_heads):
+            kv = h // (n_heads // n_kv_heads)
+            weights = torch.softmax(keys[:, kv] @ q[b, h].double().cpu() * scale, dim=0)
+            out[b, h] = weights @ values[:, kv]
+    return out
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (6, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention_matches_brute_force(n_heads, n_kv_heads, block_size):
+    head_dim, seq_lens = 24, [1, 37, 70]  # head_dim not a power of two; lengths spanning 1 to many blocks
+    k, v, tables, lens = paged_cache(seq_lens, block_size, n_kv_heads, head_dim)
+    q = randn(len(seq_lens), n_heads, head_dim, seed=7)
+    out = paged_decode_attention(q, k, v, tables, lens)
+    expected = brute_force_attention(q, k, v, tables, lens)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_scale_and_low_precision():
+    k, v, tables, lens = paged_cache([5, 40], 8, 2, 32, dtype=torch.bfloat16, seed=1)
+    q = randn(2, 4, 32, seed=8, dtype=torch.bfloat16)
+    out = paged_decode_attention(q, k, v, tables, lens, scale=0.5)
+    assert out.dtype == torch.bfloat16
+    expected = brute_force_attention(q, k, v, tables, lens, scale=0.5)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_paged_decode_attention_matches_the_engine_reference():
+    k, v, tables, lens = paged_cache([3, 33], 16, 2, 16, seed=2)
+    q = randn(2, 8, 16, seed=9)
+    torch.testing.assert_close(paged_decode_attention(q, k, v, tables, lens),
+                               paged_attention_reference(q, k, v, tables, lens), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_errors():
+    k, v, tables, lens = paged_cache([5], 4, 3, 8)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        paged_decode_attention(randn(1, 4, 8), k, v, tables, lens)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(randn(1, 6, 16), k, v, tables, lens)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_attention(randn(1, 6, 8), k, v, tables, lens[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(32, 8), (32, 32), (16, 1)])
+def test_paged_decode_attention_gpu(n_heads, n_kv_heads):
+    seq_lens = [1, 17, 500, 2048, 4000]
+    k, v, tables, lens = paged_cache(seq_lens, 16, n_kv_heads, 128, dtype=torch.bfloat16, seed=3)
+    q = randn(len(seq_lens), n_heads, 128, seed=10, dtype=torch.bfloat16)
+    out = paged_decode_attention(q, k, v, tables, lens, autotune_candidates=3)
+    expected = brute_force_attention(q, k, v, tables, lens)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-2, rtol=2e-2)
