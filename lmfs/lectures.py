@@ -62,7 +62,7 @@ LECTURES = [
     Lecture("09", "09_scaling_laws_1", "Scaling laws 1", "lmfs.scaling: power-law and Chinchilla fits, IsoFLOP sweeps, critical batch size"),
     Lecture("10", "10_inference", "Inference", "lmfs.inference: KV cache, paged continuous batching, sampling, quantisation, speculative decoding"),
     Lecture("11", "11_scaling_laws_2", "Scaling laws 2", "lmfs.scaling.mup: μP, coordinate checks, learning-rate transfer, WSD from checkpoints"),
-    Lecture("12", "12_evaluation", "Evaluation", "lmfs.eval: perplexity, harnesses, pass@k, contamination", "planned"),
+    Lecture("12", "12_evaluation", "Evaluation", "lmfs.eval: perplexity, harnesses, sandboxed code execution, pass@k, contamination, lm-eval adapter"),
     Lecture("13", "13_data_1", "Data 1", "lmfs.data: WARC, extraction, language id, PII, quality rules", "planned"),
     Lecture("14", "14_data_2", "Data 2", "lmfs.data: n-gram LM, classifiers, DSIR, Bloom filter, MinHash dedup", "planned"),
     Lecture("15", "15_alignment_sft_rlhf", "Alignment: SFT and RLHF", "lmfs.alignment: SFT, reward model, DPO", "planned"),
