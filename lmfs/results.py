@@ -111,6 +111,17 @@ def performance_rows() -> list[str]:
     rows.append(_row("inference", inference, "HBM roofline; HF `generate` (best cache); HF static batching",
                      "decode ≥ 0.7 roofline and ≥ 2× HF; trace ≥ 10× HF; paged KV ≤ 1.1×; speculative ≥ 1.8×",
                      inference and "; ".join(f"{name} {value:.2f}" for name, value in inference["ratios"].items())))
+    fit = load_result("chinchilla-fit", device="cpu", quiet=True)
+    if fit:
+        ours, ci = fit["lmfs"], fit["lmfs"].get("ci95", {})
+        pub = fit["published"]
+        text = (f"E {ours['E']:.3f}, α {ours['alpha']:.3f}" + (f" [{ci['alpha'][0]:.3f}, {ci['alpha'][1]:.3f}]" if ci else "")
+                + f", β {ours['beta']:.3f}" + (f" [{ci['beta'][0]:.3f}, {ci['beta'][1]:.3f}]" if ci else "")
+                + f": {ours['tokens_per_param']:.1f} tokens/parameter at {fit['budget_flops']:.1e} FLOPs "
+                f"(Besiroglu {pub['Besiroglu et al. 2024']['tokens_per_param']:.1f}, "
+                f"Hoffmann as printed {pub['Hoffmann et al. 2022']['tokens_per_param']:.1f})")
+    rows.append(_row("chinchilla-fit", fit, "published fits of Chinchilla's runs", "report (`python -m lmfs.scaling chinchilla`)",
+                     fit and text))
     bpe = load_result("bpe", device="cpu", quiet=True)
     if bpe:
         parts = [f"{name}: train {r['train']['ratio']:.2f}× HF's time, encode "

@@ -251,3 +251,16 @@ def test_noise_from_norms_and_critical_batch_fit_are_exact_on_exact_inputs():
     assert steps_to_target([5, 4, 3, 2, 1], 2.5) == 4 and steps_to_target([5, 4], 1.0) is None
     with pytest.raises(ValueError, match="multiple of small"):
         gradient_noise_scale(None, [], None, small=3, big=8)
+
+
+def test_figure4_fit_command_reproduces_the_published_replication(capsys):
+    """`python -m lmfs.scaling chinchilla` on the 240 runs lands on Besiroglu et al.'s estimates."""
+    from lmfs.scaling.__main__ import main
+
+    result = main(["chinchilla", "--bootstrap", "0"])
+    ours, theirs = result["lmfs"], result["published"]["Besiroglu et al. 2024"]
+    assert result["fitted_runs"] == 240 and "ci95" not in ours
+    for name, tol in (("E", 0.02), ("alpha", 0.01), ("beta", 0.01)):
+        assert abs(ours[name] - theirs[name]) < tol, (name, ours[name], theirs[name])
+    assert abs(ours["tokens_per_param"] / theirs["tokens_per_param"] - 1) < 0.1
+    assert "Besiroglu et al. 2024" in capsys.readouterr().out
