@@ -58,6 +58,11 @@ def _range(values) -> str:
     return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}–{hi:.2f}"
 
 
+def _peer_of(result: dict, row: dict) -> str:
+    """The other implementation in ``row``'s part of an extraction result (its peer)."""
+    return next(r["impl"] for r in result["rows"] if r["part"] == row["part"] and r is not row)
+
+
 def performance_rows() -> list[str]:
     """One markdown row per performance goal, each computed from a file in ``results/``."""
     rows = []
@@ -122,6 +127,20 @@ def performance_rows() -> list[str]:
                 f"Hoffmann as printed {pub['Hoffmann et al. 2022']['tokens_per_param']:.1f})")
     rows.append(_row("chinchilla-fit", fit, "published fits of Chinchilla's runs", "report (`python -m lmfs.scaling chinchilla`)",
                      fit and text))
+    dedup = load_result("dedup", device="cpu", quiet=True)
+    if dedup:
+        c, st = dedup["compare"], dedup["stage"]
+        text = (f"MinHash + LSH **{c['speedup']:.1f}×** datasketch's docs/s, recall {c['lmfs_recall']:.3f} vs "
+                f"{c['datasketch_recall']:.3f}; dedup stage on {st['docs']:,} docs in {st['seconds']:.0f} s "
+                f"({st['workers']} processes, peak {st['peak_rss_mb'] / 1024:.1f} GiB)")
+    rows.append(_row("dedup", dedup, "`datasketch` (2-core CPU)", "≥ 10× docs/s, recall ≥ datasketch's; 1M docs ≤ 5 min",
+                     dedup and text))
+    extraction = load_result("extraction", device="cpu", quiet=True)
+    if extraction:
+        text = "; ".join(f"{r['part']}: {r['ratio']:.2f}× {r['impl'] if r['part'] == 'extract' else _peer_of(extraction, r)}"
+                         for r in extraction["rows"] if r.get("ratio") is not None)
+    rows.append(_row("extraction", extraction, "warcio, resiliparse, trafilatura, py3langid (2-core CPU)", "report",
+                     extraction and f"lmfs ÷ peer — {text}"))
     bpe = load_result("bpe", device="cpu", quiet=True)
     if bpe:
         parts = [f"{name}: train {r['train']['ratio']:.2f}× HF's time, encode "

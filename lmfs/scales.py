@@ -456,7 +456,8 @@ CONFIGS: dict[str, dict[str, dict]] = {
     },
     "13": {
         "smoke": dict(
-            crawl_pages=300,           # pages of the crawl (the generated site, or installed docs)
+            crawl_pages=300,           # pages of the crawl: the generated site (full: installed docs if any)
+            shard_pages=150,           # pages in each of the two shards of the sharded run
             compare_pages=120,         # pages the three extractors are scored on
             langid_train_per_lang=100,  # generated paragraphs per language to train the classifier
             langid_test_per_lang=40,   # held-out paragraphs per language
@@ -464,11 +465,12 @@ CONFIGS: dict[str, dict[str, dict]] = {
             langid_buckets=1 << 16,
         ),
         "full": dict(
-            crawl_pages=5_000,
-            compare_pages=600,
-            langid_train_per_lang=600,
+            crawl_pages=4_000,
+            shard_pages=1_000,
+            compare_pages=500,
+            langid_train_per_lang=400,
             langid_test_per_lang=200,
-            langid_epochs=10,
+            langid_epochs=8,
             langid_buckets=1 << 18,
         ),
     },
@@ -492,21 +494,22 @@ CONFIGS: dict[str, dict[str, dict]] = {
             batch_size=16, steps=60, lr=3e-3, warmup_steps=6, eval_batches=4,
         ),
         "full": dict(
-            lm_order=4,
-            target_bytes=3_000_000,
-            n_buckets=1 << 18,
+            lm_order=3,
+            target_bytes=1_000_000,    # the filters run in CPU Python/numpy even on the GPU machine
+            n_buckets=1 << 16,
             clf_dim=16, clf_epochs=5,
             bloom_capacity=1_000_000,
             bloom_rates=(0.2, 0.1, 0.03, 0.01, 0.003, 0.001),
-            bloom_queries=2_000_000,
-            minhash_docs=5_000,
+            bloom_queries=1_000_000,
+            minhash_docs=3_000,
             scurve=((8, 16), (16, 8), (32, 4)),
             bench_docs=5_000,
             sample_pages=2_000,
             workers=8,
             train_bytes=6_000_000, vocab_size=2_048, dup_share=0.1, dup_times=20,
             model=dict(d_model=384, n_layers=6, n_heads=6, context_length=256),
-            batch_size=32, steps=800, lr=2e-3, warmup_steps=50, eval_batches=16,
+            # 400 steps x 8,192 tokens: about 2 passes over the deduplicated text, 0.75 over the duplicated
+            batch_size=32, steps=400, lr=2e-3, warmup_steps=30, eval_batches=16,
         ),
     },
 }

@@ -24,6 +24,8 @@ BENCHMARKS = {
     "moe": ("lmfs.benchmarks.moe", "main", "MoE layer tokens/s: loop vs grouped matmuls vs HF, and vs dense"),
     "sweep": ("lmfs.benchmarks.sweep", "main", "lecture 09's IsoFLOP grid: sequential vs several runs at once"),
     "inference": ("lmfs.benchmarks.inference", "main", "decode vs HBM roofline and HF generate; trace; paged KV; speculative"),
+    "extraction": ("lmfs.benchmarks.extraction", "main", "WARC reading, HTML extraction, language id vs warcio/resiliparse/trafilatura/py3langid"),
+    "dedup": ("lmfs.benchmarks.dedup", "main", "MinHash + LSH docs/s and recall vs datasketch; the 1M-document dedup stage"),
     "evaluation": ("lmfs.benchmarks.evaluation", "main", "multiple-choice log-likelihood: batched vs one at a time vs lm-eval HF"),
 }
 

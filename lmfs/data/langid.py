@@ -1,0 +1,131 @@
+"""Language identification: a hashed character-n-gram linear classifier, and a pre-trained one.
+
+Which language a page is in shows in its short character sequences: "the ", "sch", "ção", "ий ".
+fastText's language identifier (Joulin et al., 2017; used by CCNet, RefinedWeb, FineWeb) and
+langid.py (Lui & Baldwin, 2012; ``py3langid`` ships its model in the wheel) are both linear models
+over such n-grams. The version here:
+
+1. **features**: every character 1- to 4-gram of the text (with a space added at each end, so word
+   starts and ends are n-grams too), *hashed* into one of ``n_buckets`` ids — no vocabulary to
+   store, unseen n-grams still land somewhere, collisions cost little accuracy.
+2. **model**: one weight per (bucket, language) and a bias: the logits are the mean of the weight
+   rows of the text's n-grams plus the bias (the mean, so long and short texts look alike),
+   softmax over languages; trained with cross-entropy (``torch.nn.EmbeddingBag(mode="mean")`` is
+   exactly that mean).
+
+Hashing is vectorised with numpy over the code points, so a page costs a few array operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmfs.data import Doc, Stage
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio): mixes code points well
+
+
+def char_ngram_buckets(text: str, n_buckets: int, orders: Sequence[int] = (1, 2, 3, 4)) -> np.ndarray:
+    """The hashed character n-grams of ``text``: one bucket id per n-gram occurrence, ``(k,)`` int64.
+
+    Deterministic across processes and machines (no Python ``hash``); empty for an empty text.
+    """
+    codes = np.frombuffer((" " + text.lower() + " ").encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+    hashes = []
+    for n in orders:
+        if len(codes) < n:
+            continue
+        h = np.full(len(codes) - n + 1, np.uint64(n))  # the order is hashed in: "a" and "a " differ
+        for j in range(n):
+            h = (h ^ codes[j:len(codes) - n + 1 + j]) * _MULT
+        hashes.append(h ^ (h >> np.uint64(29)))
+    if not hashes:
+        return np.zeros(0, np.int64)
+    return (np.concatenate(hashes) % np.uint64(n_buckets)).astype(np.int64)
+
+
+@dataclass
+class HashedLangID:
+    """A trained classifier: ``weight`` ``(n_buckets, n_languages)``, ``bias`` ``(n_languages,)``."""
+    languages: list[str]
+    weight: np.ndarray
+    bias: np.ndarray
+    orders: tuple = (1, 2, 3, 4)
+
+    def probabilities(self, text: str) -> np.ndarray:
+        """Softmax over :attr:`languages`, ``(n_languages,)``."""
+        buckets = char_ngram_buckets(text, len(self.weight), self.orders)
+        logits = (self.weight[buckets].mean(0) if len(buckets) else 0.0) + self.bias
+        e = np.exp(logits - logits.max())
+        return e / e.sum()
+
+    def predict(self, text: str) -> tuple[str, float]:
+        """``(language, probability)`` of the most likely language."""
+        p = self.probabilities(text)
+        best = int(p.argmax())
+        return self.languages[best], float(p[best])
+
+
+def train_langid(texts: Sequence[str], labels: Sequence[str], n_buckets: int = 1 << 16, epochs: int = 30,
+                 lr: float = 0.5, batch_size: int = 256, seed: int = 0,
+                 orders: Sequence[int] = (1, 2, 3, 4)) -> HashedLangID:
+    """Fit a :class:`HashedLangID` to ``texts`` labelled with language codes (softmax regression,
+    Adagrad, mini-batches), as fastText trains its linear models."""
+    languages = sorted(set(labels))
+    index = {lang: i for i, lang in enumerate(languages)}
+    feats = [char_ngram_buckets(t, n_buckets, orders) for t in texts]
+    y = torch.tensor([index[lang] for lang in labels])
+    torch.manual_seed(seed)
+    model = torch.nn.EmbeddingBag(n_buckets, len(languages), mode="mean")
+    torch.nn.init.zeros_(model.weight)
+    bias = torch.nn.Parameter(torch.zeros(len(languages)))
+    opt = torch.optim.Adagrad([model.weight, bias], lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for batch in torch.randperm(len(texts), generator=generator).split(batch_size):
+            ids = [feats[i] for i in batch.tolist()]
+            offsets = torch.tensor([0] + [len(x) for x in ids[:-1]]).cumsum(0)
+            logits = model(torch.from_numpy(np.concatenate(ids)), offsets) + bias
+            loss = torch.nn.functional.cross_entropy(logits, y[batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return HashedLangID(languages, model.weight.detach().numpy().copy(), bias.detach().numpy().copy(), tuple(orders))
+
+
+def py3langid_predict(text: str) -> tuple[str, float]:
+    """``py3langid``'s answer (97 languages, model in its wheel), probability normalised."""
+    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+    global _PY3LANGID
+    if _PY3LANGID is None:  # loading the model takes a moment: once per process
+        _PY3LANGID = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+    lang, prob = _PY3LANGID.classify(text)
+    return lang, float(prob)
+
+
+_PY3LANGID = None
+
+
+class LanguageFilter(Stage):
+    """Sets ``Doc.lang``/``lang_score`` with ``identify`` (text -> (language, probability)) and
+    removes documents not in ``keep`` (``language xx``) or identified with probability below
+    ``min_score`` (``low confidence``). ``stats.counts`` counts every language seen."""
+    name = "langid"
+
+    def __init__(self, identify: Callable[[str], tuple[str, float]], keep: Sequence[str] = ("en",),
+                 min_score: float = 0.5) -> None:
+        super().__init__()
+        self.identify, self.keep, self.min_score = identify, tuple(keep), min_score
+
+    def apply(self, doc: Doc) -> Doc | str:
+        doc.lang, doc.lang_score = self.identify(doc.text)
+        self.stats.counts[f"lang {doc.lang}"] += 1
+        if doc.lang not in self.keep:
+            return f"language {doc.lang}"
+        if doc.lang_score < self.min_score:
+            return "low confidence"
+        return doc

@@ -1,0 +1,242 @@
+"""WARC files: the format of a web crawl, written and read.
+
+A WARC file (ISO 28500; Common Crawl publishes WARC/1.0 and WARC/1.1) is a sequence of records.
+Each record is a block of ``WARC/1.0`` headers (type, id, date, target URI, ``Content-Length``), an
+empty line, ``Content-Length`` bytes of content, and two line breaks. Common Crawl's three
+products are all this format:
+
+* **WARC**: ``request`` / ``response`` records, the response content being the whole HTTP reply
+  (status line, HTTP headers, body) as the crawler received it;
+* **WAT**: ``metadata`` records, JSON about each response (links, headers);
+* **WET**: ``conversion`` records, the plain text Common Crawl extracted from each page.
+
+Every record is gzip-compressed on its own and the members concatenated, so a reader can seek to
+any record by its byte offset (the CDX index stores them) and a damaged record spoils only itself.
+
+:func:`pack_html` turns folders of HTML pages (Debian's documentation packages, any folder) into
+such a file with :func:`write_warc`, so the pipeline reads real people-written pages in the format a
+crawl download has; :func:`read_warc` reads it, or a Common Crawl WARC/WET file, with ``fastwarc``.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import glob
+import gzip
+import hashlib
+import itertools
+import os
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from lmfs.data import Doc, StageStats
+
+# Where Debian installs people-written HTML: CPython's manual (python3-doc links to python3.X-doc's
+# folder) and the Debian Reference in a dozen languages (debian-reference-de, -fr, -ja, ... all put
+# their pages, named ch01.de.html etc., in one folder).
+DOC_GLOBS = ("/usr/share/doc/python3*-doc/html", "/usr/share/debian-reference")
+
+CRLF = b"\r\n"
+
+
+def find_doc_roots() -> list[Path]:
+    """Installed documentation folders that hold HTML pages, in a fixed order (may be empty).
+
+    Install them on Debian/Ubuntu with ``apt-get install python3-doc debian-reference`` (the second
+    pulls every translation; ``debian-reference-de`` etc. pick one).
+    """
+    roots: list[Path] = []
+    for pattern in DOC_GLOBS:
+        for path in sorted(glob.glob(pattern)):
+            real = Path(path).resolve()  # python3-doc's folder is a link to python3.X's
+            if real.is_dir() and real not in roots and next(real.rglob("*.html"), None) is not None:
+                roots.append(real)
+    return roots
+
+
+def _record(headers: list[tuple[str, str]], content: bytes) -> bytes:
+    """One record, uncompressed: ``WARC/1.0`` header lines, blank line, content, two CRLFs."""
+    lines = [b"WARC/1.0"] + [f"{k}: {v}".encode() for k, v in headers]
+    lines.append(f"Content-Length: {len(content)}".encode())
+    return CRLF.join(lines) + CRLF + CRLF + content + CRLF + CRLF
+
+
+def _gzip(record: bytes) -> bytes:
+    return gzip.compress(record, compresslevel=6, mtime=0)  # mtime=0: the same pages give the same bytes
+
+
+def response_record(url: str, payload: bytes, content_type: str = "text/html; charset=utf-8",
+                    stamp: str = "2026-01-01T00:00:00Z") -> bytes:
+    """A ``response`` record (uncompressed): an HTTP/1.1 reply with ``payload`` for ``url``, with the
+    block and payload SHA-1 digests crawlers write."""
+    http = (b"HTTP/1.1 200 OK\r\n" + f"Content-Type: {content_type}\r\n".encode()
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return _record([("WARC-Type", "response"), ("WARC-Date", stamp),
+                    ("WARC-Record-ID", f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, url)}>"),
+                    ("WARC-Target-URI", url),
+                    ("WARC-Block-Digest", _sha1(http)), ("WARC-Payload-Digest", _sha1(payload)),
+                    ("Content-Type", "application/http; msgtype=response")], http)
+
+
+def _sha1(data: bytes) -> str:
+    return "sha1:" + base64.b32encode(hashlib.sha1(data).digest()).decode()  # the digest form crawls use
+
+
+def write_warc(pages: Iterable[tuple[str, bytes]], path: str | os.PathLike,
+               content_type: str = "text/html; charset=utf-8",
+               date: dt.datetime | None = None) -> Path:
+    """Write ``(url, payload)`` pairs as a WARC/1.0 file, one gzip member per record.
+
+    The file starts with a ``warcinfo`` record; each page becomes a ``response`` record whose
+    content is an HTTP/1.1 reply (status line, ``Content-Type``, ``Content-Length``, payload), with
+    block and payload SHA-1 digests as crawlers write them. ``content_type`` may be a string or a
+    callable ``url -> str`` (packed folders hold non-HTML files too). Record ids derive from the
+    URL, and the date is fixed, so the same pages always give the same file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    date = date or dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    stamp = date.strftime("%Y-%m-%dT%H:%M:%SZ")
+    tmp = path.with_name(path.name + ".part")  # a half-written file never carries the final name
+    with open(tmp, "wb") as f:
+        info = b"software: lmfs\r\nformat: WARC File Format 1.0\r\n"
+        f.write(_gzip(_record([("WARC-Type", "warcinfo"), ("WARC-Date", stamp), ("WARC-Filename", path.name),
+                               ("WARC-Record-ID", f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, path.name)}>"),
+                               ("Content-Type", "application/warc-fields")], info)))
+        for url, payload in pages:
+            kind = content_type(url) if callable(content_type) else content_type
+            f.write(_gzip(response_record(url, payload, kind, stamp)))
+    os.replace(tmp, path)
+    return path
+
+
+_TYPES = {".html": "text/html", ".htm": "text/html", ".xhtml": "application/xhtml+xml",
+          ".txt": "text/plain", ".css": "text/css", ".js": "application/javascript",
+          ".png": "image/png", ".svg": "image/svg+xml", ".json": "application/json"}
+
+
+def pack_html(roots: Sequence[str | os.PathLike], path: str | os.PathLike, max_pages: int | None = None,
+              base_url: str = "http://docs.localhost") -> Path:
+    """Pack every ``.html`` page under ``roots`` into one WARC file at ``path``.
+
+    Pages are taken in sorted order, from each folder in turn (``max_pages`` caps the count), and get the URL
+    ``{base_url}/{root name}/{relative path}``. The payload is the file's bytes as they are: the
+    reader, not the packer, deals with their encoding.
+    """
+    files = []
+    for root in map(Path, roots):
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a folder of HTML pages")
+        files.append([(root, f) for f in sorted(root.rglob("*")) if f.suffix in (".html", ".htm") and f.is_file()])
+    # Take the folders' pages in turn, so a cap on the count still samples every folder.
+    chosen = [pair for group in itertools.zip_longest(*files) for pair in group if pair is not None][:max_pages]
+
+    def pages() -> Iterator[tuple[str, bytes]]:
+        for root, file in chosen:
+            yield f"{base_url}/{root.name}/{file.relative_to(root).as_posix()}", file.read_bytes()
+    return write_warc(pages(), path)
+
+
+HTML_TYPES = ("text/html", "application/xhtml+xml")
+
+
+def read_warc(path: str | os.PathLike, stats: StageStats | None = None) -> Iterator[Doc]:
+    """Yield a :class:`Doc` per HTML ``response`` record (WARC) or ``conversion`` record (WET).
+
+    Plain or gzipped files, Common Crawl's included. Records that cannot become a document are
+    skipped and counted in ``stats`` (a ``StageStats("read")`` if none is given) with a reason:
+    ``truncated record`` (the file ends inside it, or its gzip member is cut), ``non-HTML payload``
+    (an image, a PDF, ...), ``empty payload``, ``HTTP status NNN``, ``malformed HTTP response``,
+    ``unreadable record`` (corrupt bytes: reading stops there, the records before are kept); records of other types
+    (``request``, ``metadata``, ``warcinfo``) are counted in ``stats.counts``, not as documents.
+    """
+    from fastwarc.warc import ArchiveIterator, WarcRecordType
+
+    stats = stats if stats is not None else StageStats("read")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such WARC/WET file (pack one with `python -m lmfs.data crawl`)")
+    wanted = WarcRecordType.response | WarcRecordType.conversion
+    # parse_http=False: the HTTP head is parsed below, where a bad one is counted rather than raised;
+    # fastwarc detects gzip itself (stream_detect).
+    records = iter(ArchiveIterator(str(path), record_types=WarcRecordType.any_type, parse_http=False))
+    while True:
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except Exception as err:  # a corrupt gzip member or header block: the rest cannot be located
+            stats.seen += 1
+            stats.remove("unreadable record", None, f"{type(err).__name__}: {err}")
+            return
+        rtype = record.record_type
+        if not rtype & wanted:
+            stats.counts[f"{rtype} records"] += 1
+            continue
+        stats.seen += 1
+        url = record.headers.get("WARC-Target-URI", "")
+        content = record.reader.read()
+        doc = Doc(url=url, meta={"record_id": record.headers.get("WARC-Record-ID", ""),
+                                 "date": record.headers.get("WARC-Date", "")})
+        if len(content) < record.content_length:
+            stats.remove("truncated record", doc, f"{len(content)} of {record.content_length} bytes")
+            continue
+        if rtype == WarcRecordType.conversion:  # WET: the text is the content
+            doc.text = content.decode("utf-8", "replace")
+            if not doc.text.strip():
+                stats.remove("empty payload", doc)
+                continue
+        else:
+            head, sep, body = content.partition(b"\r\n\r\n")
+            status, headers = _http_head(head)
+            if not sep or status is None:
+                stats.remove("malformed HTTP response", doc, head[:200].decode("latin-1"))
+                continue
+            if status != 200:
+                stats.remove(f"HTTP status {status}", doc, head[:200].decode("latin-1"))
+                continue
+            doc.content_type = headers.get("content-type", "")
+            mime = doc.content_type.split(";")[0].strip().lower()
+            if mime not in HTML_TYPES:
+                stats.remove("non-HTML payload", doc, f"Content-Type: {doc.content_type or '(none)'}")
+                continue
+            if not body.strip():
+                stats.remove("empty payload", doc, "")
+                continue
+            doc.html = body
+        stats.kept += 1
+        yield doc
+
+
+def _http_head(head: bytes) -> tuple[int | None, dict[str, str]]:
+    """Parse ``HTTP/1.1 200 OK`` and the header lines; ``(None, {})`` when there is no status line."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        return None, {}
+    headers = {}
+    for line in lines[1:]:
+        key, _, value = line.partition(":")
+        headers[key.strip().lower()] = value.strip()
+    return int(parts[1]), headers
+
+
+def pack_crawl(path: str | os.PathLike, max_pages: int, roots: Sequence[str | os.PathLike] | None = None,
+               seed: int = 0, installed_docs: bool = True) -> tuple[Path, str]:
+    """The crawl the data lectures read: ``(WARC path, what it holds)``.
+
+    The HTML pages under ``roots`` (default: the installed Debian documentation of
+    :func:`find_doc_roots`, unless ``installed_docs`` is False), up to ``max_pages``; where there
+    are none, the generated site of :mod:`lmfs.data.sample` with ``max_pages`` pages, and the
+    description says so.
+    """
+    roots = [Path(r) for r in roots] if roots else find_doc_roots() if installed_docs else []
+    if roots:
+        path = pack_html(roots, path, max_pages=max_pages)
+        return path, f"HTML pages from {', '.join(map(str, roots))}"
+    from lmfs.data.sample import write_sample_warc
+    path = write_sample_warc(path, max_pages, seed=seed)
+    why = ("no Debian documentation is installed (apt-get install python3-doc debian-reference for real pages)"
+           if installed_docs else "installed documentation not asked for")
+    return path, f"the generated sample site ({max_pages} pages): {why}"
