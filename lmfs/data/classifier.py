@@ -19,7 +19,7 @@ is: :func:`precision_recall` at each threshold.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,12 +36,19 @@ class HashedLinearClassifier:
     """
 
     def __init__(self, n_buckets: int = 1 << 18, dim: int = 16, ngrams: Sequence[int] = (1, 2),
-                 epochs: int = 5, lr: float = 0.05, batch_size: int = 64, seed: int = 0):
+                 epochs: int = 5, lr: float = 0.05, batch_size: int = 64, seed: int = 0,
+                 features: Callable[[Sequence[str], int], tuple[np.ndarray, np.ndarray]] | None = None):
         self.n_buckets, self.dim, self.ngrams = n_buckets, dim, tuple(ngrams)
         self.epochs, self.lr, self.batch_size, self.seed = epochs, lr, batch_size, seed
+        # features(texts, n_buckets) -> (ids, offsets): hashed word n-grams unless told otherwise
+        # (the language identifier passes character n-grams, lmfs.data.langid).
+        self.features = features
 
     def _features(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, offsets = hashed_features(texts, self.n_buckets, self.ngrams)
+        if self.features is None:
+            ids, offsets = hashed_features(texts, self.n_buckets, self.ngrams)
+        else:
+            ids, offsets = self.features(texts, self.n_buckets)
         return torch.from_numpy(ids), torch.from_numpy(offsets)
 
     def logits(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

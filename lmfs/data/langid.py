@@ -8,23 +8,23 @@ over such n-grams. The version here:
 1. **features**: every character 1- to 4-gram of the text (with a space added at each end, so word
    starts and ends are n-grams too), *hashed* into one of ``n_buckets`` ids — no vocabulary to
    store, unseen n-grams still land somewhere, collisions cost little accuracy.
-2. **model**: one weight per (bucket, language) and a bias: the logits are the mean of the weight
-   rows of the text's n-grams plus the bias (the mean, so long and short texts look alike),
-   softmax over languages; trained with cross-entropy (``torch.nn.EmbeddingBag(mode="mean")`` is
-   exactly that mean).
+2. **model**: fastText's, :class:`lmfs.data.classifier.HashedLinearClassifier` (the quality
+   filter of lecture 14 is the same model over word n-grams): the mean of the embeddings of the
+   text's n-grams (the mean, so long and short texts look alike), a linear layer, softmax over
+   languages, trained with cross-entropy.
 
 Hashing is vectorised with numpy over the code points, so a page costs a few array operations.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from lmfs.data import Doc, Stage
+from lmfs.data.classifier import HashedLinearClassifier
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio): mixes code points well
 
@@ -48,20 +48,29 @@ def char_ngram_buckets(text: str, n_buckets: int, orders: Sequence[int] = (1, 2,
     return (np.concatenate(hashes) % np.uint64(n_buckets)).astype(np.int64)
 
 
-@dataclass
+def char_ngram_features(texts: Sequence[str], n_buckets: int,
+                        orders: Sequence[int] = (1, 2, 3, 4)) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`char_ngram_buckets` of each text laid out as ``(ids (F,), offsets (D+1,))``, the
+    feature layout of :class:`~lmfs.data.classifier.HashedLinearClassifier`."""
+    buckets = [char_ngram_buckets(t, n_buckets, orders) for t in texts]
+    offsets = np.concatenate(([0], np.cumsum([len(b) for b in buckets]))).astype(np.int64)
+    return (np.concatenate(buckets) if buckets else np.zeros(0, np.int64)), offsets
+
+
 class HashedLangID:
-    """A trained classifier: ``weight`` ``(n_buckets, n_languages)``, ``bias`` ``(n_languages,)``."""
-    languages: list[str]
-    weight: np.ndarray
-    bias: np.ndarray
-    orders: tuple = (1, 2, 3, 4)
+    """A trained language identifier: a :class:`~lmfs.data.classifier.HashedLinearClassifier`
+    over hashed character n-grams, asked one text at a time."""
+
+    def __init__(self, classifier: HashedLinearClassifier):
+        self.classifier = classifier
+
+    @property
+    def languages(self) -> list[str]:
+        return self.classifier.classes_
 
     def probabilities(self, text: str) -> np.ndarray:
         """Softmax over :attr:`languages`, ``(n_languages,)``."""
-        buckets = char_ngram_buckets(text, len(self.weight), self.orders)
-        logits = (self.weight[buckets].mean(0) if len(buckets) else 0.0) + self.bias
-        e = np.exp(logits - logits.max())
-        return e / e.sum()
+        return self.classifier.predict_proba([text])[0]
 
     def predict(self, text: str) -> tuple[str, float]:
         """``(language, probability)`` of the most likely language."""
@@ -71,30 +80,12 @@ class HashedLangID:
 
 
 def train_langid(texts: Sequence[str], labels: Sequence[str], n_buckets: int = 1 << 16, epochs: int = 30,
-                 lr: float = 0.5, batch_size: int = 256, seed: int = 0,
+                 lr: float = 0.05, batch_size: int = 64, seed: int = 0, dim: int = 16,
                  orders: Sequence[int] = (1, 2, 3, 4)) -> HashedLangID:
-    """Fit a :class:`HashedLangID` to ``texts`` labelled with language codes (softmax regression,
-    Adagrad, mini-batches), as fastText trains its linear models."""
-    languages = sorted(set(labels))
-    index = {lang: i for i, lang in enumerate(languages)}
-    feats = [char_ngram_buckets(t, n_buckets, orders) for t in texts]
-    y = torch.tensor([index[lang] for lang in labels])
-    torch.manual_seed(seed)
-    model = torch.nn.EmbeddingBag(n_buckets, len(languages), mode="mean")
-    torch.nn.init.zeros_(model.weight)
-    bias = torch.nn.Parameter(torch.zeros(len(languages)))
-    opt = torch.optim.Adagrad([model.weight, bias], lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        for batch in torch.randperm(len(texts), generator=generator).split(batch_size):
-            ids = [feats[i] for i in batch.tolist()]
-            offsets = torch.tensor([0] + [len(x) for x in ids[:-1]]).cumsum(0)
-            logits = model(torch.from_numpy(np.concatenate(ids)), offsets) + bias
-            loss = torch.nn.functional.cross_entropy(logits, y[batch])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return HashedLangID(languages, model.weight.detach().numpy().copy(), bias.detach().numpy().copy(), tuple(orders))
+    """Fit a :class:`HashedLangID` to ``texts`` labelled with language codes."""
+    classifier = HashedLinearClassifier(n_buckets, dim, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed,
+                                        features=functools.partial(char_ngram_features, orders=tuple(orders)))
+    return HashedLangID(classifier.fit(texts, labels))
 
 
 def py3langid_predict(text: str) -> tuple[str, float]:

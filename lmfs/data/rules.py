@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmfs.data import Doc, Stage
+from lmfs.data.ngram import ngram_hashes
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,9 @@ def _duplicate_fraction(items: list[str]) -> tuple[float, float]:
 
 
 def _ngram_hashes(ids: np.ndarray, n: int) -> np.ndarray:
-    """A 64-bit hash of every word ``n``-gram of ``ids`` (word ids), ``(len(ids) - n + 1,)``."""
-    h = np.zeros(len(ids) - n + 1, np.uint64)
-    for j in range(n):  # polynomial rolling hash; uint64 arithmetic wraps, as intended
-        h = h * np.uint64(1_000_003) + ids[j:len(ids) - n + 1 + j]
-    return h
+    """A 64-bit hash of every word ``n``-gram of ``ids`` (word ids), ``(len(ids) - n + 1,)``: one
+    document's n-grams by :func:`lmfs.data.ngram.ngram_hashes`."""
+    return ngram_hashes(ids.astype(np.uint64), np.array([0, len(ids)]), n, short=False)[0]
 
 
 def _word_arrays(words: list[str]) -> tuple[np.ndarray, np.ndarray]:
