@@ -363,3 +363,17 @@ def test_generated_tasks_are_correct_and_stored():
         assert len(set(item.choices)) == 4 and sum(f"{question} {c}" in story for c in item.choices) == 1
     for name, make in TASKS.items():                 # data/eval holds exactly what the generators make
         assert read_jsonl(task_path(name)) == make(), f"data/eval/{name}.jsonl is stale: run python -m lmfs.eval"
+
+
+def test_chi_square_test_matches_scipy_and_pools_rare_cells():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    from lmfs.eval import chi_square_test
+
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    counts = np.array([45, 28, 19, 8])
+    p, dof = chi_square_test(counts, probs)
+    assert dof == 3 and abs(p - scipy_stats.chisquare(counts, 100 * probs).pvalue) < 1e-12
+    # Cells expected to get fewer than 5 draws (here 0.02·100 and 0.03·100) become one cell.
+    probs, counts = np.array([0.55, 0.4, 0.02, 0.03]), np.array([50, 44, 4, 2])
+    p, dof = chi_square_test(counts, probs)
+    assert dof == 2 and abs(p - scipy_stats.chisquare([50, 44, 6], [55, 40, 5]).pvalue) < 1e-12

@@ -8,6 +8,7 @@ import torch
 
 from lmfs.benchmarks import evaluation as bench
 from lmfs.data.corpora import generate_stories
+from lmfs.tokenization.hf import hf_tokenizer
 from lmfs.train import prepare_tokens
 
 TINY = bench.Sizes(story_bytes=200_000, vocab_size=512, d_model=32, n_layers=1, n_heads=2, context_length=256,
@@ -17,7 +18,7 @@ TINY = bench.Sizes(story_bytes=200_000, vocab_size=512, d_model=32, n_layers=1, 
 def test_hf_tokenizer_gives_lmfs_ids():
     pytest.importorskip("transformers")
     tokenizer = prepare_tokens("stories", n_bytes=TINY.story_bytes, vocab_size=TINY.vocab_size).tokenizer
-    hf = bench.hf_tokenizer(tokenizer)
+    hf = hf_tokenizer(tokenizer)
     for text in (generate_stories(5_000, seed=7), "x  =  12 + 7\n\n\tdone!", "<|endoftext|>Lily went", "café ☕ 😀"):
         assert hf.encode(text, add_special_tokens=False) == tokenizer.encode(text)
         assert hf.decode(tokenizer.encode(text)) == text

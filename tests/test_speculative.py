@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import model_of, tiny
 
+from lmfs.eval import chi_square_test
 from lmfs.inference.speculative import (acceptance_probability, speculative_generate, speculative_step,
                                         speculative_step_distribution)
 from lmfs.nn.generate import generate
@@ -26,14 +27,9 @@ def random_distributions(seed: int, n: int = 1, sharpness: float = 1.5) -> torch
     return torch.softmax(sharpness * torch.randn(n, V, generator=g, dtype=torch.float64), dim=-1)
 
 
-def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of "``tokens`` are draws from ``probs``" (V,) by Pearson's chi-square test: the
-    statistic ``Σ (observed − expected)² / expected`` against a chi-square law with V − 1 degrees of
-    freedom, whose survival function is the regularised upper incomplete gamma Q((V − 1)/2, x/2)."""
-    counts = torch.bincount(tokens, minlength=probs.numel()).double()
-    expected = probs.double() / probs.sum() * counts.sum()
-    statistic = ((counts - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((probs.numel() - 1) / 2, dtype=torch.float64), statistic / 2))
+def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor, min_expected: float = 0.0) -> float:
+    """p-value of "``tokens`` are draws from ``probs``" (V,) (:func:`lmfs.eval.chi_square_test`)."""
+    return chi_square_test(torch.bincount(tokens, minlength=probs.numel()), probs, min_expected)[0]
 
 
 def test_step_distribution_is_the_target_distribution():
@@ -105,15 +101,6 @@ def exact_joint(model, prompt: list[int], n: int) -> torch.Tensor:
     return weights
 
 
-def pooled(tokens: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0):
-    """Chi-square needs about 5 expected draws per cell: the cells expected to get fewer are pooled
-    into one. Returns ``(codes, probs)`` over the pooled cells."""
-    rare = probs * tokens.numel() < min_expected
-    cell = torch.cumsum((~rare).long(), 0) - 1  # the kept cells keep their order
-    cell[rare] = int((~rare).sum())  # one last cell for all the rare ones
-    return cell[tokens], torch.cat([probs[~rare], probs[rare].sum()[None]])
-
-
 def test_generated_sequences_follow_the_target_chi_square():
     """End to end, through both caches and their truncation: the joint distribution of the first
     three generated tokens over many seeded runs matches the target's exact one."""
@@ -134,10 +121,10 @@ def test_generated_sequences_follow_the_target_chi_square():
     codes = torch.tensor(codes)
     # the rejection path, the bonus token and the caches' truncation all ran often
     assert 0.3 < accepted / proposed < 0.9 and all_accepted > runs // 5
-    assert chi_square_pvalue(*pooled(codes, exact_joint(target, prompt, n))) > ALPHA
+    assert chi_square_pvalue(codes, exact_joint(target, prompt, n), min_expected=5) > ALPHA
     # The test has the power to see a wrong distribution: the same runs against the draft's
     # distribution fail it.
-    assert chi_square_pvalue(*pooled(codes, exact_joint(draft, prompt, n))) < ALPHA
+    assert chi_square_pvalue(codes, exact_joint(draft, prompt, n), min_expected=5) < ALPHA
 
 
 def test_errors():

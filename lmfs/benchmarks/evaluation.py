@@ -17,7 +17,7 @@ b. **lmfs one at a time**: :func:`lmfs.eval.score_continuations_one_at_a_time`: 
    (``max |Δ|``, nats per pair).
 c. **lm-eval HF**: ``lm_eval.models.huggingface.HFLM`` around the same weights converted to
    ``LlamaForCausalLM`` (:func:`lmfs.nn.to_hf_llama`), with the same tokenizer as a Hugging Face
-   fast tokenizer (:func:`hf_tokenizer`) and the same batch size, answering the same
+   fast tokenizer (:func:`lmfs.tokenization.hf.hf_tokenizer`) and the same batch size, answering the same
    ``loglikelihood`` requests. It also sorts by length and batches.
 
 Tokens/s counts the tokens that go through the model (prompt and choice, cut to the context as
@@ -41,6 +41,7 @@ import torch
 from lmfs.bench import save_json
 from lmfs.eval import encode_pair, few_shot_context, score_continuations, score_continuations_one_at_a_time, story_facts
 from lmfs.nn import TransformerConfig, TransformerLM, to_hf_llama
+from lmfs.tokenization.hf import hf_tokenizer
 
 
 @dataclass(frozen=True)
@@ -61,39 +62,6 @@ GPU_SIZES = Sizes(story_bytes=1_000_000, vocab_size=2_048, d_model=1024, n_layer
                   context_length=1024, items=500, shots=3, batch_size=64, repeats=3)
 CPU_SIZES = Sizes(story_bytes=200_000, vocab_size=512, d_model=64, n_layers=2, n_heads=4,
                   context_length=256, items=40, shots=1, batch_size=16, repeats=1)
-
-
-def hf_tokenizer(tokenizer):
-    """A Hugging Face ``PreTrainedTokenizerFast`` giving the same ids as an lmfs BPE ``tokenizer``.
-
-    Byte-level BPE with the lmfs merges in their learned order (HF applies the lowest-ranked merge
-    first, which is the order they were learned), GPT-2 pre-tokenization, ``<|endoftext|>`` as a
-    special token (and as BOS/EOS, the token lm-eval puts in front of an empty context).
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from lmfs.tokenization.hf import bytes_to_unicode
-
-    to_char = bytes_to_unicode()
-    text = lambda b: "".join(to_char[x] for x in b)  # noqa: E731
-    specials = dict(tokenizer.special_ids)
-    vocab: dict[str, int] = {}
-    for i, b in sorted(tokenizer.vocab.items()):
-        if i not in specials.values():
-            vocab.setdefault(text(b), i)      # a byte string built twice keeps its first id, as in lmfs
-    vocab.update(specials)                    # at their lmfs ids; add_special_tokens below marks them special
-    merges = [(text(a), text(b)) for a, b in tokenizer.merges]
-    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    hf.decoder = decoders.ByteLevel()
-    eot = next(iter(specials))
-    hf.add_special_tokens(list(specials))
-    out = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=eot, eos_token=eot)
-    for token, i in specials.items():
-        if out.convert_tokens_to_ids(token) != i:
-            raise RuntimeError(f"special token {token!r} got id {out.convert_tokens_to_ids(token)}, lmfs has {i}")
-    return out
 
 
 def make_pairs(tokenizer, sizes: Sizes) -> list[tuple[str, str]]:

@@ -21,7 +21,7 @@ from lmfs.eval.harness import (NORMALISATIONS, ContinuationScore, GenItem, GenRe
                                choice_predictions, encode_pair, evaluate_generation, evaluate_multiple_choice,
                                exact_match, extract_answer, few_shot_context, generate, numbers_match, parse_number,
                                score_continuations, score_continuations_one_at_a_time)
-from lmfs.eval.metrics import (Interval, PairedComparison, bootstrap_ci, mean_pass_at_k, paired_bootstrap,
+from lmfs.eval.metrics import (Interval, PairedComparison, bootstrap_ci, chi_square_test, mean_pass_at_k, paired_bootstrap,
                                paired_permutation_test, pass_at_k, sign_test)
 from lmfs.eval.perplexity import (PerplexityResult, TargetScores, bits_per_byte, bos_id, sliding_windows,
                                   target_logprobs, target_logprobs_one_at_a_time, text_perplexity, token_perplexity)
@@ -36,7 +36,7 @@ __all__ = [
     "extract_answer", "few_shot_context", "generate", "humaneval", "load_task", "mean_pass_at_k", "min_k_prob",
     "ngram_overlap", "numbers_match", "paired_bootstrap", "paired_permutation_test", "parse_number", "pass_at_k",
     "read_jsonl", "roc_auc", "run_many", "run_python", "score_continuations",
-    "score_continuations_one_at_a_time", "sign_test", "sliding_windows", "story_facts", "target_logprobs",
+    "score_continuations_one_at_a_time", "chi_square_test", "sign_test", "sliding_windows", "story_facts", "target_logprobs",
     "target_logprobs_one_at_a_time", "task_path", "text_perplexity", "token_perplexity", "word_ngrams", "words",
     "write_jsonl",
     "write_task_files",

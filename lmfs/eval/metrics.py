@@ -127,6 +127,28 @@ def paired_permutation_test(a, b, n_resamples: int = 10_000, seed: int = 0) -> f
     return float((hits + 1) / (n_resamples + 1))
 
 
+def chi_square_test(counts, probs, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's chi-square test that ``counts`` (observed draws per cell, any shape) come from
+    ``probs`` (the same shape, summing to 1): returns ``(p-value, degrees of freedom)``.
+
+    The statistic ``Σ (observed − expected)² / expected`` follows a chi-square law only when every
+    cell expects about 5 draws, so cells expected to get fewer than ``min_expected`` are pooled into
+    one. The p-value is the law's survival function, the regularised upper incomplete gamma
+    ``Q(dof/2, statistic/2)``.
+    """
+    import torch
+
+    counts = torch.as_tensor(counts).flatten().double()
+    expected = torch.as_tensor(probs).flatten().double() * counts.sum()
+    small = expected < min_expected
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    counts = torch.cat([counts[~small], counts[small].sum()[None]])
+    keep = expected > 0                          # the pooled cell is empty when nothing was small
+    statistic = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2).item(), dof
+
+
 def sign_test(a, b) -> float:
     """Exact two-sided sign test: among items where the models differ, is ``a > b`` as likely as ``a < b``?"""
     d = _paired(a, b)

@@ -4,7 +4,9 @@
   :func:`hf_merges` reads its merges back as pairs of byte strings, comparable with
   :func:`~lmfs.tokenization.train_bpe`'s.
 * :func:`tiktoken_encoding` turns an lmfs :class:`~lmfs.tokenization.Tokenizer` into a
-  ``tiktoken.Encoding`` with the same merges, so both must produce the same ids.
+  ``tiktoken.Encoding`` with the same merges, so both must produce the same ids;
+  :func:`hf_tokenizer` into a Hugging Face fast tokenizer likewise (for models evaluated through
+  Hugging Face's stack, e.g. lm-eval's ``HFLM``).
 
 Hugging Face stores byte-level tokens as text, one printable character per byte
 (:func:`bytes_to_unicode`); tiktoken stores them as bytes, with their rank.
@@ -82,9 +84,44 @@ def tiktoken_encoding(tok: Tokenizer):
     """
     import tiktoken
 
-    specials = tok.special_ids
-    ranks: dict[bytes, int] = {}
+    return tiktoken.Encoding("lmfs", pat_str=GPT2_PATTERN, mergeable_ranks=_token_ids(tok),
+                             special_tokens=dict(tok.special_ids))
+
+
+def _token_ids(tok: Tokenizer) -> dict[bytes, int]:
+    """Token bytes -> id for the ordinary (non-special) tokens; a byte string that training built
+    twice keeps its first id, as lmfs's encoder does."""
+    specials = set(tok.special_ids.values())
+    ids: dict[bytes, int] = {}
     for i in sorted(tok.vocab):
-        if i not in specials.values():
-            ranks.setdefault(tok.vocab[i], i)
-    return tiktoken.Encoding("lmfs", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=dict(specials))
+        if i not in specials:
+            ids.setdefault(tok.vocab[i], i)
+    return ids
+
+
+def hf_tokenizer(tokenizer):
+    """A Hugging Face ``PreTrainedTokenizerFast`` giving the same ids as an lmfs BPE ``tokenizer``.
+
+    Byte-level BPE with the lmfs merges in their learned order (HF applies the lowest-ranked merge
+    first, which is the order they were learned), GPT-2 pre-tokenization, ``<|endoftext|>`` as a
+    special token (and as BOS/EOS, the token lm-eval puts in front of an empty context).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    to_char = bytes_to_unicode()
+    text = lambda b: "".join(to_char[x] for x in b)  # noqa: E731
+    specials = dict(tokenizer.special_ids)
+    vocab = {text(b): i for b, i in _token_ids(tokenizer).items()}
+    vocab.update(specials)                    # at their lmfs ids; add_special_tokens below marks them special
+    merges = [(text(a), text(b)) for a, b in tokenizer.merges]
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    eot = next(iter(specials))
+    hf.add_special_tokens(list(specials))
+    out = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=eot, eos_token=eot)
+    for token, i in specials.items():
+        if out.convert_tokens_to_ids(token) != i:
+            raise RuntimeError(f"special token {token!r} got id {out.convert_tokens_to_ids(token)}, lmfs has {i}")
+    return out
