@@ -107,7 +107,7 @@ def performance_rows() -> list[str]:
         ratios = moe["ratios"]
         text = "; ".join(f"{name}: {ratios[f'{name} / loop']:.1f}× loop, {ratios[f'{name} / HF fastest']:.2f}× "
                          f"HF, TFLOP/s {ratios[f'{name} TFLOP/s / dense']:.2f}× dense"
-                         for name in ("lmfs triton", "torch grouped_mm")
+                         for name in ("lmfs fused", "lmfs triton", "torch grouped_mm")
                          if f"{name} / HF fastest" in ratios and f"{name} / loop" in ratios)
         text += f" (HF fastest: `{moe.get('hf_fastest', '?')}`)"
     rows.append(_row("moe", moe, "per-expert loop; HF Qwen2-MoE block; dense SwiGLU",

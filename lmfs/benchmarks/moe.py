@@ -1,6 +1,6 @@
-"""Mixture-of-experts dispatch: forward+backward tokens/s of one MoE layer, five ways.
+"""Mixture-of-experts dispatch: forward+backward tokens/s of one MoE layer, six ways.
 
-    python -m lmfs.benchmarks moe [--tokens 16384] [--device cuda] [--json out.json]
+    python -m lmfs.benchmarks moe [--tokens 16384] [--device cuda] [--json out.json] [--profile]
 
 The layer (on CUDA, bf16; DeepSeek-MoE-like) is :class:`lmfs.nn.moe.MoE` with d_model 1024, 64
 routed SwiGLU experts of width 512, top-8 (softmax, then top-k, no renormalisation), one shared
@@ -13,34 +13,42 @@ b. **lmfs triton**: ``dispatch="sorted"`` (sort the assignments by expert, run a
    grouped matmuls, combine) with the grouped matmuls done by :func:`lmfs.kernels.grouped_matmul`.
 c. **torch grouped_mm**: the same with PyTorch's own grouped matmul, where the installed torch
    has one.
-d. **HF Qwen2-MoE**: Hugging Face ``transformers``' ``Qwen2MoeSparseMoeBlock`` built from a config
+d. **lmfs fused**: :func:`lmfs.kernels.moe.use_fused_moe`: the sorted dispatch fused into Triton
+   kernels: the gather of the tokens inside the first grouped matmul, SwiGLU in the matmuls'
+   epilogues, the routing weights and the sum per token in a combine by the inverse permutation
+   (no atomic adds), forward and backward.
+e. **HF Qwen2-MoE**: Hugging Face ``transformers``' ``Qwen2MoeSparseMoeBlock`` built from a config
    (no download) holding the same weights, timed with each of its expert implementations that
    runs here (``eager``, ``grouped_mm``, ``batched_mm``); the fastest counts. Its shared expert
    sits behind a sigmoid gate; a zero gate weight (sigmoid = ½) and a doubled shared down
    projection make it compute exactly our layer.
-e. **dense SwiGLU** with the same active width (k × 512 + 512 = 4608): the same matmul FLOPs per
-   token without routing, the ceiling for b and c.
+f. **dense SwiGLU** with the same active width (k × 512 + 512 = 4608): the same matmul FLOPs per
+   token without routing, the ceiling for b, c and d.
 
 FLOPs counted (for TFLOP/s): the active matmuls, ``6 · d_model · active width`` per token
 forward plus the router's ``2 · d_model · E``, three times that for forward + backward; the same
 count for every MoE implementation. Ratios printed: each fast dispatch ÷ the loop (tokens/s), lmfs
 ÷ HF (tokens/s), and each MoE's TFLOP/s ÷ the dense layer's. ``max |Δ|`` compares every output
-with the loop's. Without a GPU a tiny shape runs through Triton's interpreter, to exercise the
-code; those numbers say nothing about real hardware.
+with the loop's. ``--profile`` adds where the fused layer's time goes: the kernels of a few
+forward+backward steps (:func:`lmfs.bench.timing.profile_table`), the longest first, µs per
+step. Without a GPU a tiny shape runs through Triton's interpreter, to exercise the code; those
+numbers say nothing about real hardware.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
 from lmfs.bench import save_json
-from lmfs.bench.timing import benchmark
+from lmfs.bench.timing import benchmark, profile_table
 from lmfs.kernels import INTERPRET
 from lmfs.kernels.grouped_gemm import autotune_choices, grouped_matmul, torch_grouped_matmul, torch_grouped_mm
+from lmfs.kernels.moe import use_fused_moe
 from lmfs.nn.layers import GatedMLP
 from lmfs.nn.moe import MoE
 
@@ -115,8 +123,9 @@ def _fwdbwd_seconds(fn, inputs: list, grad_out, device, warmup: int, repeats: in
 
 
 def run(shape: MoEShape | None = None, device=None, warmup: int | None = None, repeats: int | None = None,
-        hf: bool = True) -> dict:
-    """Time the five implementations; print the table; return the numbers."""
+        hf: bool = True, profile: bool = False) -> dict:
+    """Time the six implementations; print the table (and with ``profile`` the fused layer's
+    kernels); return the numbers."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     shape = shape or (GPU_SHAPE if cuda else CPU_SHAPE)
@@ -136,6 +145,8 @@ def run(shape: MoEShape | None = None, device=None, warmup: int | None = None, r
     impls = {"loop": (moe_call(moe, x, "loop"), inputs),
              "lmfs triton": (moe_call(moe, x, "sorted", grouped_matmul), inputs)}
     notes = {}
+    fused = use_fused_moe(copy.deepcopy(moe))  # the same weights, the fused kernels
+    impls["lmfs fused"] = (moe_call(fused, x, "sorted"), [x, *fused.parameters()])
     if torch_grouped_mm() is not None:
         impls["torch grouped_mm"] = (moe_call(moe, x, "sorted", torch_grouped_matmul), inputs)
     else:
@@ -154,7 +165,7 @@ def run(shape: MoEShape | None = None, device=None, warmup: int | None = None, r
                 out = fn()
             diff = None if name == "dense SwiGLU" else (out.float() - expected.float()).abs().max().item()
             seconds = _fwdbwd_seconds(fn, inputs, grad_out, device, warmup, repeats)
-        except (RuntimeError, NotImplementedError) as err:  # e.g. a grouped matmul refusing this device
+        except Exception as err:  # e.g. a grouped matmul refusing this device: note it, time the others
             notes[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
             if cuda:
                 torch.cuda.empty_cache()
@@ -165,6 +176,12 @@ def run(shape: MoEShape | None = None, device=None, warmup: int | None = None, r
     _pick_fastest_hf(result)
     result["ratios"] = _ratios(result["rows"])
     result["configs"] = autotune_choices()
+    if profile and "lmfs fused" in result["rows"]:
+        fn, fused_inputs = impls["lmfs fused"]
+        table = profile_table(lambda: torch.autograd.grad(fn(), fused_inputs, grad_out), warmup=1 if cuda else 0,
+                              repeats=3 if cuda else 1, row_limit=20)
+        result["profile"] = table.to_dict(orient="records")
+        result["profile_where"] = table.attrs["where"]
     _print(result)
     return result
 
@@ -197,7 +214,7 @@ def _pick_fastest_hf(result: dict) -> None:
 def _ratios(rows: dict) -> dict:
     ratios = {}
     hf = min((r["seconds"] for name, r in rows.items() if name.startswith("HF ")), default=None)
-    for name in ("lmfs triton", "torch grouped_mm"):
+    for name in ("lmfs fused", "lmfs triton", "torch grouped_mm"):
         if name not in rows:
             continue
         r = rows[name]
@@ -229,6 +246,11 @@ def _print(result: dict) -> None:
     for name, note in result["notes"].items():
         print(f"  ({name}: {note})")
     print(f"  grouped_matmul blocks: {result['configs']}")
+    if "profile" in result:
+        print(f"\nprofile of lmfs fused, forward+backward: {result['profile_where']} per step, the longest first")
+        print(pd.DataFrame(result["profile"]).to_string(index=False, formatters={
+            "name": lambda n: n[:90], "total_us": "{:,.0f}".format, "mean_us": "{:,.1f}".format,
+            "share": "{:.1%}".format}))
 
 
 def main(argv=None) -> dict:
@@ -240,11 +262,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 10 on a GPU, 2 on the CPU)")
     parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face's block")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the fused layer's longest kernels (torch.profiler), µs per step")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     if args.tokens is not None:
         shape = MoEShape(**{**asdict(shape), "tokens": args.tokens})
-    result = run(shape, device, repeats=args.repeats, hf=not args.no_hf)
+    result = run(shape, device, repeats=args.repeats, hf=not args.no_hf, profile=args.profile)
     save_json(result, args.json)
     return result

@@ -63,6 +63,41 @@ def _find_tile(offsets_ptr, tile, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexp
     return group, start, end
 
 
+@triton.jit
+def _tile_coords(offsets_ptr, E, M, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile: ``(group, rows, row_ok, cols, col_ok)``, rows (BLOCK_M,) of the
+    grouped rows, cols (BLOCK_N,) of the M output columns, masked past their ends (a group's last
+    tile is ragged: later rows belong to the next group). ``group == E``: this program has no tile
+    (the grid is sized for the worst case)."""
+    group, start, end = _find_tile(offsets_ptr, tl.program_id(0), E, BLOCK_M, BLOCK_E)
+    rows = start + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return group, rows, rows < end, cols, cols < M
+
+
+@triton.jit
+def _tile_product(acc, a_ptr, a_rows, row_ok, stride_a, b_ptr, stride_bk, stride_bm, cols, col_ok, K,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + a[a_rows, :K] · b[:K, cols]``: the K loop of one output tile, ``BLOCK_K`` at a time.
+
+    ``a`` has unit column stride and row stride ``stride_a``; ``a_rows`` (BLOCK_M,) are the rows
+    the tile reads, in any order (a gather costs nothing extra here); ``b`` is read through its
+    strides, so a transposed view works. Masked rows and columns read zeros."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_a + ks[None, :]  # int64: rows·K may exceed 2^31
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bm
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0  # the last K step is partial when BLOCK_K does not divide K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter gets 16-bit arithmetic wrong; a GPU keeps 16-bit dot operands
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
 @triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
 def grouped_matmul_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, N, K, M, E, stride_we, stride_wk, stride_wm,
                           ROWS_BUCKET, N_CANDIDATES, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -71,36 +106,24 @@ def grouped_matmul_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, N, K, M, E, stride_w
     """One (BLOCK_M, BLOCK_N) tile of ``y = x[group rows] · w[group]``. ``x`` is (N, K) and ``y``
     (N, M), both contiguous; ``w`` is read through its strides, so a transposed view works.
     ``N``, ``ROWS_BUCKET`` and ``N_CANDIDATES`` only feed the autotuner's key and pruning."""
-    group, start, end = _find_tile(offsets_ptr, tl.program_id(0), E, BLOCK_M, BLOCK_E)
-    if group >= E:  # the grid is sized for the worst case; this program has no tile
+    group, rows, row_ok, cols, col_ok = _tile_coords(offsets_ptr, E, M, BLOCK_E, BLOCK_M, BLOCK_N)
+    if group >= E:
         return
-    rows = start + tl.arange(0, BLOCK_M)
-    row_ok = rows < end  # the group's last tile is ragged: later rows belong to the next group
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < M
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]  # int64: rows·K may exceed 2^31
-    w_ptrs = w_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0  # the last K step is partial when BLOCK_K does not divide K
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter gets 16-bit arithmetic wrong; a GPU keeps 16-bit dot operands
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptr, rows, row_ok, K,
+                        w_ptr + group.to(tl.int64) * stride_we, stride_wk, stride_wm, cols, col_ok, K,
+                        UPCAST, PRECISION, BLOCK_K)
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * M + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["ROWS_BUCKET", "N_CANDIDATES"])
-def grouped_matmul_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, M, ROWS_BUCKET, N_CANDIDATES,
-                             UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def grouped_matmul_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, rows_ptr, K, M, ROWS_BUCKET, N_CANDIDATES,
+                             GATHER: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """One (BLOCK_K, BLOCK_N) tile of ``dw[e] = x[rows of e]ᵀ · dy[rows of e]``: a sum over the
-    group's rows, ``BLOCK_R`` at a time. x: (N, K), dy: (N, M), dw: (E, K, M), contiguous."""
+    group's rows, ``BLOCK_R`` at a time. x: (N, K), dy: (N, M), dw: (E, K, M), contiguous.
+    With ``GATHER``, row ``r`` of the product is row ``rows[r]`` of x (x then has any number of
+    rows): the gathered copy of x that a mixture of experts would otherwise make is never written."""
     group = tl.program_id(2)
     start = tl.load(offsets_ptr + group)
     end = tl.load(offsets_ptr + group + 1)
@@ -112,8 +135,11 @@ def grouped_matmul_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, K, M, ROWS_BUCK
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_ok = rows < end
+        x_rows = rows
+        if GATHER:
+            x_rows = tl.load(rows_ptr + rows, mask=row_ok, other=0)
         # x's tile is loaded transposed, (BLOCK_K, BLOCK_R), so that the product needs no tl.trans.
-        xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * K + ks[:, None], mask=k_ok[:, None] & row_ok[None, :],
+        xt = tl.load(x_ptr + x_rows.to(tl.int64)[None, :] * K + ks[:, None], mask=k_ok[:, None] & row_ok[None, :],
                      other=0.0)
         dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * M + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                      other=0.0)
@@ -195,6 +221,12 @@ def _group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
+def _tile_grid(N: int, E: int, M: int):
+    """The launch grid of a kernel that walks row tiles of E groups (:func:`_find_tile`): the most
+    row tiles E groups of N rows can need (every group may end in a partial tile), times M's tiles."""
+    return lambda meta: ((N + E * (meta["BLOCK_M"] - 1)) // meta["BLOCK_M"], triton.cdiv(M, meta["BLOCK_N"]))
+
+
 def _matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, candidates: int) -> torch.Tensor:
     """``y`` (N, M) with ``y[rows of e] = x[rows of e] · w[e]``; ``w`` (E, K, M) may be a strided view."""
     N, K = x.shape
@@ -202,22 +234,25 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, candidates:
     y = torch.empty(N, M, device=x.device, dtype=x.dtype)
     if N == 0:
         return y
-    # The most row tiles E groups of N rows can need: every group may end in a partial tile.
-    grid = lambda meta: ((N + E * (meta["BLOCK_M"] - 1)) // meta["BLOCK_M"],  # noqa: E731
-                         triton.cdiv(M, meta["BLOCK_N"]))
-    _fwd[grid](x, w, y, offsets, N, K, M, E, *w.stride(), _rows_bucket(N), candidates, UPCAST=INTERPRET,
-               PRECISION=_precision(x.dtype), BLOCK_E=max(16, triton.next_power_of_2(E)), **_FWD_BLOCKS)
+    _fwd[_tile_grid(N, E, M)](x, w, y, offsets, N, K, M, E, *w.stride(), _rows_bucket(N), candidates,
+                              UPCAST=INTERPRET, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E), **_FWD_BLOCKS)
     return y
 
 
-def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, E: int, candidates: int) -> torch.Tensor:
-    """``dw`` (E, K, M) with ``dw[e] = x[rows of e]ᵀ · dy[rows of e]`` (zeros for empty groups)."""
-    N, K = x.shape
-    M = dy.shape[1]
+def _block_e(E: int) -> int:
+    """The vector width :func:`_find_tile` reads the E group offsets with."""
+    return max(16, triton.next_power_of_2(E))
+
+
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, E: int, candidates: int,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``dw`` (E, K, M) with ``dw[e] = x[rows of e]ᵀ · dy[rows of e]`` (zeros for empty groups).
+    With ``rows`` (one index per row of dy), row r of the product reads row ``rows[r]`` of x."""
+    K, (N, M) = x.shape[1], dy.shape
     dw = torch.empty(E, K, M, device=x.device, dtype=x.dtype)
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(M, meta["BLOCK_N"]), E)  # noqa: E731
-    _dw[grid](x, dy, dw, offsets, K, M, _rows_bucket(N), candidates, UPCAST=INTERPRET,
-              PRECISION=_precision(x.dtype), **_DW_BLOCKS)
+    _dw[grid](x, dy, dw, offsets, offsets if rows is None else rows, K, M, _rows_bucket(N), candidates,
+              GATHER=rows is not None, UPCAST=INTERPRET, PRECISION=_precision(x.dtype), **_DW_BLOCKS)
     return dw
 
 

@@ -83,6 +83,13 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
+def bin_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``(n,)``: how often each of ``0 .. n-1`` occurs in ``ids``, like ``torch.bincount(ids,
+    minlength=n)``. Not bincount itself: on a GPU it reads the largest id back to size its output,
+    so the host stops queueing work until the GPU catches up, every forward."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
 @dataclass
 class Routing:
     """Where tokens go: assignment ``a`` sends token ``token[a]`` to expert ``expert[a]`` with
@@ -330,7 +337,7 @@ class MoE(nn.Module):
         weight)`` assignments."""
         E = self.n_experts
         token, expert, weight = routing.token, routing.expert, routing.weight
-        load = torch.bincount(expert, minlength=E)
+        load = bin_counts(expert, E)
         C = capacity(N, self.top_k, E, self.capacity_factor)
         if C is not None and self.router.kind != "expert_choice":  # expert choice is capped already
             # Rank of each assignment within its expert's queue, in assignment order.
@@ -340,9 +347,9 @@ class MoE(nn.Module):
             rank[order] = torch.arange(len(order), device=order.device) - starts[expert[order]]
             keep = rank < C
             token, expert, weight = token[keep], expert[keep], weight[keep]
-        kept = torch.bincount(expert, minlength=E)
+        kept = bin_counts(expert, E)
         if self.router.kind == "expert_choice":   # "dropped": tokens no expert picked
-            dropped = (torch.bincount(token, minlength=N) == 0).sum()
+            dropped = (bin_counts(token, N) == 0).sum()
         else:
             dropped = load.sum() - kept.sum()
         # Tensors on the layer's device: reading them (int(), .tolist()) is the only host sync.
@@ -372,7 +379,7 @@ class MoE(nn.Module):
     def combine_sorted(self, x, token, expert, weight):
         """The fast path: sort assignments by expert, one grouped computation, weighted scatter-add."""
         order = torch.argsort(expert, stable=True)
-        group_sizes = torch.bincount(expert, minlength=self.n_experts)
+        group_sizes = bin_counts(expert, self.n_experts)
         rows = token[order]
         y = self.experts(x[rows], group_sizes)                                 # (A, d), sorted
         # Under autocast y may be bf16 while x (the residual stream) is float32: add in x's dtype.

@@ -1,0 +1,316 @@
+"""A mixture-of-experts layer's sorted dispatch fused into a few Triton kernels, without atomics.
+
+:meth:`lmfs.nn.moe.MoE.combine_sorted` is the readable fast path: gather the tokens in expert
+order, three grouped matmuls with the SwiGLU between them, weight the outputs, ``index_add`` them
+back per token. Every step is its own kernel, and most of them only move memory: on an H200 at
+the benchmark's shape the grouped matmuls take a third of the layer's time (docs/performance.md).
+:class:`FusedMoE` computes the same function (same parameters, same routing) like this:
+
+* **The gather happens inside the matmul.** The first kernel reads row ``rows[p]`` of ``x`` for
+  sorted position ``p`` (``rows`` = the token of each sorted assignment) while it loads its tile,
+  so the ``(tokens·k, d_model)`` gathered copy of ``x`` is never written; the weight gradient of
+  the first layer reads ``x`` through the same indices (:func:`~lmfs.kernels.grouped_gemm._weight_grad`).
+* **SwiGLU in the epilogues.** The first kernel multiplies each tile by the gate and the up
+  matrices at once (one read of the activations for both) and writes ``silu(g)·u`` along with
+  ``g`` and ``u`` for the backward. The backward of the second layer's input product applies the
+  SwiGLU's derivative to its tile before storing, so it writes ``dg`` and ``du`` directly; the
+  backward of the first layer sums the two products ``dg·W_gateᵀ + du·W_upᵀ`` in one kernel.
+* **Combine by the inverse permutation.** Token ``t``'s assignments sit at known sorted positions
+  ``slot_pos[t, j]`` (``-1`` for an empty slot: a dropped assignment, or fewer experts under
+  expert choice). So ``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` is a gather and a sum,
+  one program per token: no scatter, no atomic adds (16-bit ones are compare-and-swap loops on a
+  GPU). The routing weights are applied here, not in a pass of their own. Its backward is a
+  gather the other way: ``dy[slot_pos[t, j]] = weight[t, j] · dout[t]`` (every sorted position
+  has exactly one owner, so these are plain stores), with ``dweight[t, j] = ⟨dout[t],
+  y[slot_pos[t, j]]⟩`` from the same loads. The input's gradient, a sum over each token's sorted
+  rows, is the same gather-and-sum with unit weights.
+
+Five kernels here (first layer; the two backward products; combine and its backward) and the
+second layer's product and all weight gradients by :mod:`lmfs.kernels.grouped_gemm`'s kernels.
+Opt in with :func:`use_fused_moe` (the MoE layers of a model become :class:`FusedMoE`, keeping
+their parameters). Checked against the loop and sorted dispatch of :mod:`lmfs.nn.moe`, forward and
+backward, in tests/test_moe_fused.py; timed by ``python -m lmfs.benchmarks moe`` (row ``lmfs fused``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmfs.kernels._triton import INTERPRET, check_tensors, tl, triton
+from lmfs.kernels.grouped_gemm import (_FWD_BLOCKS, _FWD_CONFIGS, _FWD_NAMES, _autotuned, _block_e, _matmul,
+                                       _precision, _rows_bucket, _tile_coords, _tile_grid, _tile_product, _weight_grad)
+from lmfs.nn.moe import MoE
+
+
+@triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
+def moe_up_kernel(x_ptr, rows_ptr, wg_ptr, wu_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, N, K, M, E,
+                  ROWS_BUCKET, N_CANDIDATES, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of the first layer: ``g = x[rows] · W_gate[e]``, ``u = x[rows] · W_up[e]`` and
+    ``h = silu(g) · u``, all (N, M) in sorted order. x: (tokens, K); W_gate, W_up: (E, K, M);
+    all contiguous. Each A tile (gathered rows of x) is loaded once for both products."""
+    group, pos, pos_ok, cols, col_ok = _tile_coords(offsets_ptr, E, M, BLOCK_E, BLOCK_M, BLOCK_N)
+    if group >= E:
+        return
+    token = tl.load(rows_ptr + pos, mask=pos_ok, other=0)  # row of x for each sorted position
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token.to(tl.int64)[:, None] * K + ks[None, :]
+    w_offs = group.to(tl.int64) * K * M + ks[:, None] * M + cols[None, :]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(x_ptrs, mask=pos_ok[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(wg_ptr + w_offs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        bu = tl.load(wu_ptr + w_offs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_offs += BLOCK_K * M
+    offs = pos.to(tl.int64)[:, None] * M + cols[None, :]
+    mask = pos_ok[:, None] & col_ok[None, :]
+    # h from g and u as stored (rounded to their dtype): the backward sees the same numbers.
+    g = acc_g.to(g_ptr.dtype.element_ty)
+    u = acc_u.to(u_ptr.dtype.element_ty)
+    tl.store(g_ptr + offs, g, mask=mask)
+    tl.store(u_ptr + offs, u, mask=mask)
+    g32 = g.to(tl.float32)
+    tl.store(h_ptr + offs, (g32 * tl.sigmoid(g32) * u.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
+def moe_down_dx_kernel(dy_ptr, wd_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offsets_ptr, N, K, M, E, stride_we,
+                       stride_wk, stride_wm, ROWS_BUCKET, N_CANDIDATES, UPCAST: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of the second layer's input gradient ``dh = dy · W_down[e]ᵀ`` (K = d_model,
+    M = width; ``wd`` is W_downᵀ as a strided view) with SwiGLU's backward in the epilogue:
+    ``dg = dh · u · silu'(g)``, ``du = dh · silu(g)``, where ``silu'(g) = σ(g)(1 + g(1 − σ(g)))``."""
+    group, pos, pos_ok, cols, col_ok = _tile_coords(offsets_ptr, E, M, BLOCK_E, BLOCK_M, BLOCK_N)
+    if group >= E:
+        return
+    dh = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), dy_ptr, pos, pos_ok, K,
+                       wd_ptr + group.to(tl.int64) * stride_we, stride_wk, stride_wm, cols, col_ok, K,
+                       UPCAST, PRECISION, BLOCK_K)
+    offs = pos.to(tl.int64)[:, None] * M + cols[None, :]
+    mask = pos_ok[:, None] & col_ok[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    tl.store(du_ptr + offs, (dh * g * sig).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + offs, (dh * u * sig * (1 + g * (1 - sig))).to(dg_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
+def moe_up_dx_kernel(dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, offsets_ptr, N, K, M, E, stride_we, stride_wk,
+                     stride_wm, ROWS_BUCKET, N_CANDIDATES, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of the first layer's input gradient, still in sorted order:
+    ``dg · W_gate[e]ᵀ + du · W_up[e]ᵀ`` (K = width, M = d_model; ``wg``, ``wu`` transposed views
+    with the same strides). Both products accumulate into one tile: no second pass to add them."""
+    group, pos, pos_ok, cols, col_ok = _tile_coords(offsets_ptr, E, M, BLOCK_E, BLOCK_M, BLOCK_N)
+    if group >= E:
+        return
+    w_off = group.to(tl.int64) * stride_we
+    acc = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), dg_ptr, pos, pos_ok, K,
+                        wg_ptr + w_off, stride_wk, stride_wm, cols, col_ok, K, UPCAST, PRECISION, BLOCK_K)
+    acc = _tile_product(acc, du_ptr, pos, pos_ok, K, wu_ptr + w_off, stride_wk, stride_wm, cols, col_ok, K,
+                        UPCAST, PRECISION, BLOCK_K)
+    tl.store(dx_ptr + pos.to(tl.int64)[:, None] * M + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=pos_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def moe_combine_kernel(y_ptr, slot_pos_ptr, weight_ptr, out_ptr, D, SLOTS, WEIGHTED: tl.constexpr,
+                       BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` for one token t (weight 1 when not
+    ``WEIGHTED``); slots with ``slot_pos = -1`` add nothing. y: (A, D), out: (tokens, D),
+    slot_pos and weight (float32): (tokens, SLOTS); all contiguous. Sums in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_S)
+    slot_ok = slots < SLOTS
+    pos = tl.load(slot_pos_ptr + t * SLOTS + slots, mask=slot_ok, other=-1).to(tl.int64)
+    used = pos >= 0
+    if WEIGHTED:
+        w = tl.load(weight_ptr + t * SLOTS + slots, mask=used, other=0.0)
+    else:
+        w = used.to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        rows = tl.load(y_ptr + pos[:, None] * D + cols[None, :], mask=used[:, None] & col_ok[None, :], other=0.0)
+        total = tl.sum(rows.to(tl.float32) * w[:, None], axis=0)
+        tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def moe_combine_bwd_kernel(dout_ptr, y_ptr, slot_pos_ptr, weight_ptr, dy_ptr, dweight_ptr, D, SLOTS,
+                           NEED_DWEIGHT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The combine's backward for one token t: ``dy[slot_pos[t, j]] = weight[t, j] · dout[t]``
+    (each sorted row has one owner: plain stores) and ``dweight[t, j] = ⟨dout[t], y[slot_pos[t, j]]⟩``
+    (float32, 0 for empty slots)."""
+    t = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_S)
+    slot_ok = slots < SLOTS
+    pos = tl.load(slot_pos_ptr + t * SLOTS + slots, mask=slot_ok, other=-1).to(tl.int64)
+    used = pos >= 0
+    w = tl.load(weight_ptr + t * SLOTS + slots, mask=used, other=0.0)
+    dw = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        mask = used[:, None] & col_ok[None, :]
+        dout = tl.load(dout_ptr + t * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + pos[:, None] * D + cols[None, :], (w[:, None] * dout[None, :]).to(dy_ptr.dtype.element_ty),
+                 mask=mask)
+        if NEED_DWEIGHT:
+            rows = tl.load(y_ptr + pos[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dw += tl.sum(rows * dout[None, :], axis=1)
+    if NEED_DWEIGHT:
+        tl.store(dweight_ptr + t * SLOTS + slots, dw, mask=slot_ok)
+
+
+# The three tile kernels autotune over grouped_gemm's forward candidates (same tile shapes); the
+# first layer's kernel holds two accumulators, so its largest tile is left out of its list.
+_UP_CONFIGS = {"16-bit": [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                          (64, 64, 64, 4, 4)],
+               "fp32": _FWD_CONFIGS["fp32"]}
+if INTERPRET:
+    _up, _down_dx, _up_dx = moe_up_kernel, moe_down_dx_kernel, moe_up_dx_kernel
+else:
+    _up = _autotuned(moe_up_kernel, _UP_CONFIGS, _FWD_NAMES, "x_ptr")
+    _down_dx = _autotuned(moe_down_dx_kernel, _FWD_CONFIGS, _FWD_NAMES, "dy_ptr")
+    _up_dx = _autotuned(moe_up_dx_kernel, _FWD_CONFIGS, _FWD_NAMES, "dg_ptr")
+# The combine kernels read whole rows in chunks of BLOCK_D columns, a token per program.
+_COMBINE_BLOCK_D = 16 if INTERPRET else 256
+
+
+def _block_s(slots: int) -> int:
+    """The combine kernels' vector width for a token's ``slots`` assignments (a power of two, ≥ 2)."""
+    return max(2, triton.next_power_of_2(slots))
+
+
+def _combine(y: torch.Tensor, slot_pos: torch.Tensor, weight: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (tokens, D) in ``dtype``: each token's sorted rows of ``y`` (A, D), weighted and summed."""
+    tokens, slots = slot_pos.shape
+    out = torch.empty(tokens, y.shape[1], device=y.device, dtype=dtype)
+    if tokens:
+        moe_combine_kernel[(tokens,)](y, slot_pos, slot_pos if weight is None else weight, out, y.shape[1], slots,
+                                      WEIGHTED=weight is not None, BLOCK_S=_block_s(slots),
+                                      BLOCK_D=_COMBINE_BLOCK_D)
+    return out
+
+
+class _FusedExperts(torch.autograd.Function):
+    """``_FusedExperts.apply(x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, out_dtype)``:
+    the experts and the combine of :class:`FusedMoE` as one autograd Function.
+
+    x: (tokens, d_model); w_gate, w_up: (E, d_model, width), w_down: (E, width, d_model), all in
+    one dtype; weight: (tokens, slots) float32 routing weights; rows: (A,) token of each sorted
+    position; offsets: (E + 1,) group boundaries; slot_pos: (tokens, slots) sorted position of each
+    token's assignments, -1 where empty. Returns (tokens, d_model) in ``out_dtype``. Saves x, the
+    first layer's g, u and h, and the expert outputs y (for the routing weights' gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, out_dtype):
+        A, E, (K, M) = rows.shape[0], w_gate.shape[0], w_gate.shape[1:]
+        h, g, u = (torch.empty(A, M, device=x.device, dtype=x.dtype) for _ in range(3))
+        if A:
+            _up[_tile_grid(A, E, M)](x, rows, w_gate, w_up, h, g, u, offsets, A, K, M, E, _rows_bucket(A), 0,
+                                     UPCAST=INTERPRET, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E),
+                                     **_FWD_BLOCKS)
+        y = _matmul(h, w_down, offsets, 0)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, h, g, u, y)
+        return _combine(y, slot_pos, weight, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, h, g, u, y = ctx.saved_tensors
+        (tokens, slots), (A, D), E = slot_pos.shape, y.shape, w_gate.shape[0]
+        dy = torch.empty_like(y)
+        dweight = torch.empty_like(weight)
+        if tokens:
+            moe_combine_bwd_kernel[(tokens,)](dout.contiguous(), y, slot_pos, weight, dy, dweight, D, slots,
+                                              NEED_DWEIGHT=ctx.needs_input_grad[4],
+                                              BLOCK_S=_block_s(slots), BLOCK_D=_COMBINE_BLOCK_D)
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        dx_sorted = torch.empty(A, x.shape[1], device=x.device, dtype=x.dtype)
+        if A:
+            wd_t, wg_t, wu_t = (w.transpose(1, 2) for w in (w_down, w_gate, w_up))
+            blocks = dict(UPCAST=INTERPRET, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E), **_FWD_BLOCKS)
+            _down_dx[_tile_grid(A, E, g.shape[1])](dy, wd_t, g, u, dg, du, offsets, A, D, g.shape[1], E,
+                                                   *wd_t.stride(), _rows_bucket(A), 0, **blocks)
+            _up_dx[_tile_grid(A, E, x.shape[1])](dg, du, wg_t, wu_t, dx_sorted, offsets, A, g.shape[1], x.shape[1],
+                                                 E, *wg_t.stride(), _rows_bucket(A), 0, **blocks)
+        need = ctx.needs_input_grad
+        dw_gate = _weight_grad(x, dg, offsets, E, 0, rows=rows) if need[1] else None
+        dw_up = _weight_grad(x, du, offsets, E, 0, rows=rows) if need[2] else None
+        dw_down = _weight_grad(h, dy, offsets, E, 0) if need[3] else None
+        dx = _combine(dx_sorted, slot_pos, None, x.dtype)
+        return dx, dw_gate, dw_up, dw_down, dweight if need[4] else None, None, None, None, None
+
+
+def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, n_tokens: int, n_experts: int,
+               slots: int):
+    """From kept assignments ``(token, expert, weight)`` (each (A,)): the layout the fused kernels use.
+
+    Returns ``rows`` (A,): the token of each position once sorted by expert; ``offsets`` (E + 1,)
+    int32: where each expert's rows start and end; ``slot_pos`` (tokens, slots): the sorted
+    positions of each token's assignments in assignment order, -1 in unused slots;
+    ``slot_weight`` (tokens, slots) float32: their routing weights, 0 in unused slots
+    (differentiable in ``weight``). ``slots`` must be at least the most assignments any token has
+    (top-k for token choice). Boundaries come from ``searchsorted`` on the sorted keys rather than
+    ``bincount``, which on a GPU reads the largest key back to the host and so waits for the GPU."""
+    A = token.shape[0]
+    order = torch.argsort(expert, stable=True)
+    experts = torch.arange(n_experts + 1, device=expert.device, dtype=expert.dtype)
+    offsets = torch.searchsorted(expert[order], experts, out_int32=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(A, device=order.device)              # sorted position of each assignment
+    by_token = torch.argsort(token, stable=True)                         # assignments grouped by token
+    owner = token[by_token]
+    slot = torch.arange(A, device=token.device) - torch.searchsorted(owner, owner)  # rank within its token
+    slot_pos = torch.full((n_tokens, slots), -1, dtype=torch.int64, device=token.device)
+    slot_pos[owner, slot] = position[by_token]
+    slot_weight = weight.new_zeros(n_tokens, slots, dtype=torch.float32).index_put((owner, slot),
+                                                                                  weight[by_token].float())
+    return token[order], offsets, slot_pos, slot_weight
+
+
+class FusedMoE(MoE):
+    """:class:`lmfs.nn.moe.MoE` with its ``"sorted"`` dispatch computed by the fused kernels of this
+    module (module docstring); routing, capacity, balancing, statistics and the shared experts are
+    the parent's. SwiGLU experts only. Made by :func:`use_fused_moe`, which swaps the class."""
+
+    def combine_sorted(self, x, token, expert, weight):
+        N, E = x.shape[0], self.n_experts
+        slots = E if self.router.kind == "expert_choice" else self.top_k  # most assignments a token can have
+        rows, offsets, slot_pos, slot_weight = slot_table(token, expert, weight, N, E, slots)
+        dtype = x.dtype
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the matmuls run in autocast's dtype
+            dtype = torch.get_autocast_dtype("cuda")
+        experts = self.experts
+        xs, w_gate, w_up, w_down = (t.to(dtype).contiguous() for t in (x, experts.w_gate, experts.w_up, experts.w_down))
+        check_tensors("FusedMoE", x=xs, w_gate=w_gate)
+        return _FusedExperts.apply(xs, w_gate, w_up, w_down, slot_weight, rows, offsets, slot_pos, x.dtype)
+
+
+def use_fused_moe(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Make every :class:`lmfs.nn.moe.MoE` inside ``model`` (a layer or a whole ``TransformerLM``)
+    a :class:`FusedMoE`, in place, or back with ``enabled=False``; returns ``model``. Only the class
+    changes, so parameters and state dict stay; the ``"loop"`` dispatch still runs the loop."""
+    found = 0
+    for module in model.modules():
+        if type(module) in (MoE, FusedMoE):
+            if enabled and module.experts.activation != "swiglu":
+                raise ValueError(f"use_fused_moe: the fused kernels compute SwiGLU experts, this layer's are "
+                                 f"{module.experts.activation!r}; use lmfs.kernels.grouped_gemm.use_triton_experts")
+            module.__class__ = FusedMoE if enabled else MoE
+            found += 1
+    if not found:
+        raise ValueError(f"use_fused_moe: {type(model).__name__} holds no lmfs.nn.moe.MoE layer "
+                         "(build the model with moe_experts > 0)")
+    return model
