@@ -116,6 +116,32 @@ def performance_rows() -> list[str]:
     rows.append(_row("inference", inference, "HBM roofline; HF `generate` (best cache); HF static batching",
                      "decode ≥ 0.7 roofline and ≥ 2× HF; trace ≥ 10× HF; paged KV ≤ 1.1×; speculative ≥ 1.8×",
                      inference and "; ".join(f"{name} {value:.2f}" for name, value in inference["ratios"].items())))
+    sweep = load_result("sweep", quiet=True)
+    rows.append(_row("sweep", sweep, "the same runs one after another", "grid's time ≤ 0.5× sequential",
+                     sweep and f"**{sweep['ratio']:.2f}×**: {sweep['runs']} runs ({sweep['steps']:,} steps) in "
+                     f"{sweep['concurrent_s']:.0f} s with {sweep['workers']} processes, {sweep['sequential_s']:.0f} s "
+                     f"one after another; max |Δ final loss| {sweep['max_loss_diff']:.1g}"))
+    iso = load_result("isoflop-sweep", quiet=True)
+    if iso:
+        minima = ", ".join(f"{m['n_opt'] / 1e3:.0f}k at {m['flops']:.0e}" for m in iso["isoflop_minima"])
+        methods = iso["methods_at_2e13"]
+        text = (f"IsoFLOP minima N* = {minima} FLOPs; a = {methods['IsoFLOP parabolas']['a']:.2f} (IsoFLOP), "
+                f"{methods['parametric fit']['a']:.2f} (parametric): "
+                f"{methods['IsoFLOP parabolas']['tokens_per_param']:.1f} and "
+                f"{methods['parametric fit']['tokens_per_param']:.1f} tokens/parameter at 2e13 FLOPs; "
+                f"B_crit {iso['critical_batch']['B_crit_sequences']:.1f} sequences")
+    rows.append(_row("isoflop-sweep", iso, "Chinchilla's published laws (lecture 09)", "report (lecture 09, full scale)",
+                     iso and text))
+    evaluation = load_result("evaluation", quiet=True)
+    if evaluation:
+        ratios = evaluation["ratios"]
+        text = (f"**{ratios['lmfs batched / lmfs one at a time']:.1f}×** one at a time, "
+                f"**{ratios['lmfs batched / lm-eval HF']:.2f}×** lm-eval HF "
+                f"({evaluation['params'] / 1e6:.0f} M parameters, {evaluation['tokens']:,} tokens)"
+                if "lmfs batched / lm-eval HF" in ratios else
+                f"**{ratios['lmfs batched / lmfs one at a time']:.1f}×** one at a time (lm-eval not measured)")
+    rows.append(_row("evaluation", evaluation, "one item at a time; `lm-eval`'s Hugging Face backend",
+                     "≥ 5× one at a time, ≥ 1.0× lm-eval", evaluation and text))
     fit = load_result("chinchilla-fit", device="cpu", quiet=True)
     if fit:
         ours, ci = fit["lmfs"], fit["lmfs"].get("ci95", {})
