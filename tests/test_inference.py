@@ -339,6 +339,51 @@ def test_kv_memory_in_use_close_to_cached_tokens():
     assert s["decode_tokens"] == 4 * 15 and s["prefill_tokens"] == 104
 
 
+def test_in_step_sampling_equals_sample():
+    """Temperature-only requests are drawn inside the decode step (sample_scaled); seeded, they give
+    the tokens and log-probs of static batching, which draws through sample()."""
+    model = tiny(n_kv_heads=2)
+    prompts = random_prompts([4, 9])
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=11), SamplingParams(max_tokens=12, temperature=0,
+                                                                                        seed=3)]
+    llm = LLM(model, block_size=4)
+    outs = llm.generate(prompts, params)
+    static = generate_static(model, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in static]
+    for a, b in zip(outs, static):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_weights_changed_in_place_are_used_by_the_next_call():
+    """RL rollouts: the policy is trained between generate calls; the engine must not keep old weights."""
+    model = tiny(n_kv_heads=2).to(DEVICE)
+    prompts = random_prompts([5, 8])
+    params = SamplingParams(max_tokens=8, temperature=0)
+    llm = LLM(model)
+    before = [o.token_ids for o in llm.generate(prompts, params)]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    after = [o.token_ids for o in llm.generate(prompts, params)]
+    assert after == greedy_reference(model, prompts, 8) and after != before
+
+
+def test_failed_compile_falls_back_to_the_plain_step(monkeypatch):
+    def broken_compile(fn, **kw):
+        def run(*args, **kwargs):
+            raise RuntimeError("inductor: no C++ compiler")
+        return run
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    model = tiny(n_kv_heads=2)
+    prompts = random_prompts([3, 6])
+    llm = LLM(model, compile=True)
+    with pytest.warns(UserWarning, match="decoding without it"):
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
+    assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 5) and llm.compile is False
+    with pytest.raises(ValueError, match="compile"):
+        LLM(model, compile="yes")
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: CUDA graphs and the Triton decode kernel give the same tokens as the plain path
 
@@ -356,6 +401,27 @@ def test_cuda_graphs_and_kernel_match_plain_gpu(attention):
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         for a, b in zip(outs, plain):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_graphs_and_compile_use_weights_changed_in_place_gpu():
+    """The fastest GPU path (compiled step in CUDA graphs) reads weights updated in place; new weight
+    tensors (a reload) make it capture again."""
+    model = tiny(n_kv_heads=2).cuda()
+    prompts = random_prompts([5, 8, 3])
+    params = SamplingParams(max_tokens=10, temperature=0)
+    llm = LLM(model, compile=True)
+    assert llm.cuda_graphs and llm.compile
+    assert [o.token_ids for o in llm.generate(prompts, params)] == greedy_reference(model, prompts, 10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == greedy_reference(model, prompts, 10)
+    for name, p in list(model.named_parameters()):   # new tensors at new addresses
+        module, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module), attr, torch.nn.Parameter(p.detach().clone() * 1.1))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == greedy_reference(model, prompts, 10)
+    assert llm.compile, "the compiled step fell back to the plain one"
 
 
 @pytest.mark.gpu

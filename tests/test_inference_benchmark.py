@@ -72,3 +72,27 @@ def test_benchmark_runs_on_gpu_tiny(tmp_path):
     for section in ("decode_batch1", "trace", "paged_kv", "speculative"):
         assert "error" not in result[section], (section, result[section])
     assert all("error" not in row for row in result["decode_batch1"]["rows"].values()), result["decode_batch1"]
+
+
+def test_parts_are_chosen_and_saved_as_they_finish(tmp_path, monkeypatch):
+    # Only the paged part: the engine runs the trace (no Hugging Face rows), nothing else runs, and
+    # the JSON file is written when the part ends, before the summary.
+    path = tmp_path / "inference.json"
+    saved = []
+    real_save = bench.save_json
+    monkeypatch.setattr(bench, "save_json", lambda result, p: (saved.append(dict(result)), real_save(result, p)))
+    result = bench.main(["--device", "cpu", "--parts", "paged", "--json", str(path)])
+    assert "decode_batch1" not in result and "speculative" not in result
+    assert set(result["trace"]["rows"]) == {"lmfs engine"}
+    assert result["paged_kv"]["kv_in_use_over_cached"] >= 1
+    assert "paged KV in use / cached bytes" in saved[0]["ratios"]
+    assert json.loads(path.read_text())["parts"] == ["paged"]
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--parts", "decode,bogus"])
+
+
+def test_predicted_speedup_sums_the_accepted_prefixes():
+    # E[tokens per target call] = sum over i = 0..k of P(first i drafts accepted) = sum alpha^i.
+    for alpha, k, cost in ((0.0, 4, 0.1), (0.6, 2, 0.25), (0.9, 4, 0.05), (1.0, 3, 0.2)):
+        expected = sum(alpha ** i for i in range(k + 1)) / (k * cost + 1)
+        assert abs(bench.predicted_speedup(alpha, k, cost) - expected) < 1e-12

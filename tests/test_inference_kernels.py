@@ -14,7 +14,7 @@ from helpers import DEVICE, randn
 from lmfs.inference.kv_cache import paged_attention_reference
 from lmfs.inference.quantize import dequantize_weight, quantize_weight
 from lmfs.kernels.dequant_matmul import dequant_matmul, dequant_matmul_reference
-from lmfs.kernels.paged_attention import paged_decode_attention
+from lmfs.kernels.paged_attention import paged_decode_attention, paged_decode_attention_op
 
 # Tolerances against a float32 reference: the output's rounding to its dtype dominates.
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2), torch.bfloat16: (1e-1, 2e-2)}
@@ -143,6 +143,45 @@ def test_paged_decode_attention_matches_the_engine_reference():
     q = randn(2, 8, 16, seed=9)
     torch.testing.assert_close(paged_decode_attention(q, k, v, tables, lens),
                                paged_attention_reference(q, k, v, tables, lens), atol=1e-5, rtol=1e-5)
+    # The operator torch.compile sees (the engine's compiled decode step) computes the same.
+    torch.testing.assert_close(paged_decode_attention_op(q, k, v, tables, lens, 0.3),
+                               paged_attention_reference(q, k, v, tables, lens, scale=0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (8, 2), (6, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention_split_matches_reference(dtype, n_heads, n_kv_heads, block_size):
+    """Flash-decoding: the context cut into 2 or 8 pieces merges to the unsplit result. Lengths give
+    empty splits (1 token in 8 pieces), uneven ones (37, 70) and whole ones (128)."""
+    k, v, tables, lens = paged_cache([1, 37, 70, 128], block_size, n_kv_heads, 24, dtype=dtype, seed=4)
+    q = randn(4, n_heads, 24, seed=11, dtype=dtype)
+    expected = paged_attention_reference(q, k, v, tables, lens)
+    atol, rtol = TOL[dtype]
+    for splits in (2, 8):
+        out = paged_decode_attention(q, k, v, tables, lens, num_splits=splits)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def test_choose_splits_fills_the_gpu_and_a_zero_length_row_is_zero():
+    h200 = torch.device("cuda")
+    import lmfs.kernels.paged_attention as pa
+    counts = pa.sm_count
+    try:
+        pa.sm_count = lambda device: 132
+        assert pa.choose_splits(1, 8, 2048, h200) == 32        # 8 programs -> 256
+        assert pa.choose_splits(1, 8, 256, h200) == 4          # no piece under 64 tokens
+        assert pa.choose_splits(64, 8, 2048, h200) == 1        # 512 programs fill 132 SMs already
+        assert pa.choose_splits(4, 8, 2048, h200) == 8         # 33 rounded down to a power of two
+    finally:
+        pa.sm_count = counts
+    k, v, tables, _ = paged_cache([9, 9], 4, 2, 16, seed=5)
+    lens = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(randn(2, 4, 16, seed=12), k, v, tables, lens, num_splits=4)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].abs().sum() > 0
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(randn(2, 4, 16), k, v, tables, lens, num_splits=3)
 
 
 def test_paged_decode_attention_errors():
@@ -161,6 +200,7 @@ def test_paged_decode_attention_gpu(n_heads, n_kv_heads):
     seq_lens = [1, 17, 500, 2048, 4000]
     k, v, tables, lens = paged_cache(seq_lens, 16, n_kv_heads, 128, dtype=torch.bfloat16, seed=3)
     q = randn(len(seq_lens), n_heads, 128, seed=10, dtype=torch.bfloat16)
-    out = paged_decode_attention(q, k, v, tables, lens, autotune_candidates=3)
     expected = brute_force_attention(q, k, v, tables, lens)
-    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-2, rtol=2e-2)
+    for splits in (None, 1, 16):   # chosen for the GPU, unsplit, split
+        out = paged_decode_attention(q, k, v, tables, lens, autotune_candidates=3, num_splits=splits)
+        torch.testing.assert_close(out.double().cpu(), expected, atol=2e-2, rtol=2e-2)

@@ -1,37 +1,50 @@
 """Inference: the lmfs engine against the HBM roofline and Hugging Face ``generate``.
 
-    python -m lmfs.benchmarks inference [--json results/h200/inference.json] [--tiny] [--skip hf,spec]
+    python -m lmfs.benchmarks inference [--json results/h200/inference.json] [--tiny]
+                                        [--parts decode,trace,paged,speculative] [--skip hf]
 
 On CUDA the model is Llama-shaped with random weights, in bf16: d_model 2048, 16 layers, 32 query
 and 8 KV heads (head_dim 64), SwiGLU width 8192, vocabulary 32,000, tied embeddings: 1.04 B
 parameters. Hugging Face gets the same weights as ``LlamaForCausalLM`` (:func:`lmfs.nn.to_hf_llama`,
-SDPA attention). Four sections, each on its own; a peer that fails prints an error row and the
-rest goes on:
+SDPA attention). Four parts, chosen with ``--parts`` (all by default), each on its own: a peer
+that fails prints an error row and the rest goes on. Every row is printed as soon as it is
+measured, and with ``--json`` the file is rewritten after every part, so a run cut short keeps
+what it measured. On an H200 all four parts take about 6-8 minutes:
 
 a. **Batch-1 decode.** Greedy decoding of one request (prompt 128 tokens, 256 new tokens). Decode
    tokens/s = ``N / (t(N + 1) - t(1))``, where ``t(n)`` is the median wall time of a ``generate``
    call producing ``n`` tokens: the prefill and the first token cancel out. The **roofline**: every
    decode step must read every weight once and the cached K/V of every earlier token, so at the
-   measured copy bandwidth ``bw`` (:func:`lmfs.bench.probes.copy_bandwidth`) no implementation can
-   beat ``bw / (weight bytes + KV bytes per token × mean context)`` tokens/s. Peers: the lmfs
-   engine (:class:`lmfs.inference.LLM`, CUDA graphs for decode where available) and Hugging Face
-   ``generate`` with a static cache (which ``generate`` compiles with ``torch.compile`` on a GPU)
-   and with its default dynamic cache (eager); the faster counts.
+   measured copy bandwidth ``bw`` (:func:`lmfs.bench.probes.copy_bandwidth`, a device-to-device
+   copy: read and write counted) no implementation can beat ``bw / (weight bytes + KV bytes per
+   token × mean context)`` tokens/s. Peers: the lmfs engine (:class:`lmfs.inference.LLM`: its
+   decode step compiled and captured in CUDA graphs on a GPU) and Hugging Face ``generate`` with
+   a static cache (which ``generate`` compiles with ``torch.compile`` on a GPU: its fastest
+   setting) and, on the CPU only, with its default dynamic cache (eager; on an H200 it ran 6×
+   slower than the static cache, so the GPU run leaves it out to save time); the faster counts.
+   The engine is built once for this part and the next (its compilation and CUDA graphs, made
+   on first use, are not timed).
 b. **Throughput on a request trace.** 512 requests, seeded: prompt lengths uniform in 128-1024,
    output lengths uniform in 64-512, EOS ignored (each request produces exactly its length). The
    engine gets all requests at once (continuous batching over a paged KV cache). Hugging Face runs
    static batches with left padding: a batch lasts as long as its longest output, and only the
    tokens each request asked for count. To bound the time, each batch size tried runs **one batch**
    (the trace's first B requests) and its useful tokens/s stands for the whole trace; the best
-   batch size counts.
+   batch size counts. Batch sizes are tried smallest first while the time spent on them, plus
+   the last one's time again (a larger batch takes at least as long), stays within a budget.
 c. **Paged KV memory.** The engine's KV memory in use (whole blocks) ÷ the bytes of the tokens
-   actually cached, at its peak during the trace (from ``llm.stats``).
+   actually cached, averaged over the decode steps of the trace (from ``llm.stats``); measured by
+   the engine's trace run (alone, without the Hugging Face rows, when ``trace`` is not asked for).
 d. **Speculative decoding at batch 1.** Lecture 10's target and smaller draft (its full-scale sizes
    from :func:`lmfs.scales.lecture_config`), both trained here for a few hundred steps on the same
    tokens of the generated stories corpus (:func:`lmfs.train.prepare_tokens`), then
    :func:`lmfs.inference.speculative.speculative_generate` against plain decoding of the target
    through the same cached forward (:func:`lmfs.inference.forward_cached`), sampling at
-   temperature 1: tokens/s ratio and acceptance rate for a few draft lengths ``k``.
+   temperature 1: tokens/s ratio and acceptance rate for a few draft lengths ``k``. Next to the
+   measured speed-up it prints the one predicted from the acceptance rate ``α`` and the draft's
+   cost per token relative to the target's, ``c`` (both decoding alone):
+   ``(1 − α^(k+1)) / ((1 − α)(k·c + 1))`` (Leviathan et al.): the speed-up is bounded by how
+   often the draft agrees and how cheap it is.
 
 Without a GPU (or with ``--tiny``) every section runs on a tiny model and a short trace, to
 exercise the code (a test does); those numbers say nothing about real hardware.
@@ -72,14 +85,14 @@ class Sizes:
     trace_requests: int           # (b) requests in the trace
     prompt_range: tuple[int, int]  # (b) prompt lengths, inclusive
     output_range: tuple[int, int]  # (b) output lengths, inclusive
-    hf_batch_sizes: tuple[int, ...]  # (b) static batch sizes tried for Hugging Face
-    hf_seconds: float             # (b) stop trying larger Hugging Face batches after this long
+    hf_batch_sizes: tuple[int, ...]  # (b) static batch sizes tried for Hugging Face, smallest first
+    hf_seconds: float             # (b) time budget of the Hugging Face batch sizes
     scale: str                    # (d) the target/draft pair and its training: lecture 10 at this scale
 
 
 GPU_SIZES = Sizes(decode_prompt=128, decode_tokens=256, repeats=3, trace_requests=512,
                   prompt_range=(128, 1024), output_range=(64, 512), hf_batch_sizes=(32, 64, 128, 256),
-                  hf_seconds=90.0, scale="full")
+                  hf_seconds=120.0, scale="full")
 CPU_SIZES = Sizes(decode_prompt=8, decode_tokens=8, repeats=2, trace_requests=12,
                   prompt_range=(4, 24), output_range=(2, 12), hf_batch_sizes=(2, 4), hf_seconds=20.0,
                   scale="smoke")
@@ -180,7 +193,7 @@ def _peer(rows: dict, name: str, fn: Callable[[], dict]) -> None:
 
 # ---------------------------------------------------------------------------- (a) batch-1 decode
 
-def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool) -> dict:
+def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool, engine: Callable) -> dict:
     config = model.config
     prompt = request_trace(1, (sizes.decode_prompt,) * 2, (1, 1), config.vocab_size, seed=1)[0][0]
     bandwidth = copy_bandwidth(device=device)
@@ -194,9 +207,9 @@ def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: 
     rows, greedy = out["rows"], {}
 
     def lmfs_engine():
-        from lmfs.inference import LLM, SamplingParams
+        from lmfs.inference import SamplingParams
 
-        llm = LLM(model, progress=False)
+        llm = engine()
 
         def generate(n):
             result = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
@@ -206,15 +219,16 @@ def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: 
 
         rate = decode_rate(generate, sizes.decode_tokens, sizes.repeats, device)
         greedy["lmfs"] = list(generate(sizes.decode_tokens))
-        del llm
         return {"tokens_per_s": rate, "of_roofline": rate / roofline}
 
     _peer(rows, "lmfs engine", lmfs_engine)
     _free(device)
     if hf:
-        for name, kwargs in [("HF static cache" + (" + compile" if device.type == "cuda" else ""),
-                              dict(cache_implementation="static")),
-                             ("HF dynamic cache", dict(disable_compile=True))]:
+        static = "HF static cache" + (" + compile" if device.type == "cuda" else "")
+        peers = [(static, dict(cache_implementation="static"))]
+        if device.type != "cuda":  # on an H200 the eager dynamic cache ran 6x slower (59 vs 349 tokens/s): left out
+            peers.append(("HF dynamic cache", dict(disable_compile=True)))
+        for name, kwargs in peers:
             _peer(rows, name, lambda name=name, kwargs=kwargs: _hf_decode(model, prompt, sizes, device, roofline,
                                                                        kwargs, greedy, name))
             _free(device)
@@ -250,7 +264,8 @@ def _hf_decode(model, prompt, sizes, device, roofline, kwargs, greedy, name) -> 
 
 # ---------------------------------------------------------------------- (b, c) trace throughput
 
-def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool, result: dict) -> dict:
+def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool, result: dict,
+                     engine: Callable) -> dict:
     trace = request_trace(sizes.trace_requests, sizes.prompt_range, sizes.output_range, model.config.vocab_size)
     useful = sum(o for _, o in trace)
     out = {"requests": len(trace), "prompt_tokens": sum(len(p) for p, _ in trace), "output_tokens": useful,
@@ -259,9 +274,9 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
     rows = out["rows"]
 
     def lmfs_engine():
-        from lmfs.inference import LLM, SamplingParams
+        from lmfs.inference import SamplingParams
 
-        llm = LLM(model, progress=False)
+        llm = engine()
         warm_up(llm)
         params = [SamplingParams(max_tokens=o, temperature=0.0) for _, o in trace]
         outs = []
@@ -273,18 +288,22 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
         if produced != useful:
             raise RuntimeError(f"the engine produced {produced} tokens, the trace asked for {useful}")
         result["paged_kv"] = paged_memory(llm.stats)  # the statistics of the last generate call
+        print(f"  paged KV in use / cached bytes: {result['paged_kv']['kv_in_use_over_cached']:.3f} "
+              f"({result['paged_kv']['preemptions']} preemptions)", flush=True)
         return {"seconds": seconds, "tokens_per_s": useful / seconds}
 
     _peer(rows, "lmfs engine", lmfs_engine)
     _free(device)
     if hf:
-        started = time.perf_counter()
+        started, last = time.perf_counter(), 0.0
         for batch in sizes.hf_batch_sizes:
-            if time.perf_counter() - started > sizes.hf_seconds:
-                rows[f"HF static batch {batch}"] = {"error": f"left out: earlier batch sizes took over "
-                                                             f"{sizes.hf_seconds:.0f} s"}
+            if time.perf_counter() - started + last > sizes.hf_seconds:
+                rows[f"HF static batch {batch}"] = {"error": f"left out: would exceed the {sizes.hf_seconds:.0f} s "
+                                                             "budget of the HF batch sizes"}
+                print(f"  {'HF static batch ' + str(batch):<28} {rows[f'HF static batch {batch}']['error']}")
                 continue
             _peer(rows, f"HF static batch {batch}", lambda batch=batch: _hf_batch(model, trace[:batch], device))
+            last = rows[f"HF static batch {batch}"].get("seconds", last)
             _free(device)
     hf_rates = {k: r["tokens_per_s"] for k, r in rows.items() if k.startswith("HF") and "tokens_per_s" in r}
     if hf_rates:
@@ -371,14 +390,18 @@ def speculative(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
 
-    def plain_decode(tokens):  # the target alone, through the same contiguous cache and cached forward
-        return generate_static(target, prompt.tolist(), SamplingParams(max_tokens=tokens, temperature=temperature))
+    def plain_decode(model, tokens):  # one model alone, through the same contiguous cache and cached forward
+        return generate_static(model, prompt.tolist(), SamplingParams(max_tokens=tokens, temperature=temperature))
 
-    plain_decode(8)  # warm-up
-    plain = statistics.median(_wall(lambda: plain_decode(n), device) for _ in range(3))
+    seconds = {}
+    for name, model in (("target", target), ("draft", draft)):
+        plain_decode(model, 8)  # warm-up
+        seconds[name] = statistics.median(_wall(lambda: plain_decode(model, n), device) for _ in range(3))
+    plain, cost = seconds["target"], seconds["draft"] / seconds["target"]
     out = {"target_params": target.num_params(), "draft_params": draft.num_params(),
-           "plain_tokens_per_s": n / plain, "rows": {}}
-    print(f"  plain decoding of the target: {n / plain:,.1f} tokens/s")
+           "plain_tokens_per_s": n / plain, "draft_cost_ratio": cost, "rows": {}}
+    print(f"  plain decoding: target {n / plain:,.1f} tokens/s, draft {n / seconds['draft']:,.1f} tokens/s "
+          f"(draft cost per token c = {cost:.2f} of the target's)")
     for k in cfg.spec_k:
         def run_k(k=k):
             speculative_generate(target, draft, prompt, 8, k=k, temperature=temperature, generator=gen)  # warm-up
@@ -388,9 +411,9 @@ def speculative(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
                 times.append(_wall(lambda: result.update(out=speculative_generate(
                     target, draft, prompt, n, k=k, temperature=temperature, generator=gen)), device))
                 rates.append(result["out"][1]["acceptance_rate"])
-            seconds = statistics.median(times)
-            return {"tokens_per_s": n / seconds, "speedup": plain / seconds,
-                    "acceptance_rate": float(statistics.mean(rates))}
+            seconds, alpha = statistics.median(times), float(statistics.mean(rates))
+            return {"tokens_per_s": n / seconds, "speedup": plain / seconds, "acceptance_rate": alpha,
+                    "predicted_speedup": predicted_speedup(alpha, k, cost)}
 
         _peer(out["rows"], f"k={k}", run_k)
     speedups = {name: r["speedup"] for name, r in out["rows"].items() if "speedup" in r}
@@ -400,10 +423,24 @@ def speculative(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
     return out
 
 
+def predicted_speedup(alpha: float, k: int, cost: float) -> float:
+    """Speed-up of speculative decoding over plain decoding when each draft is accepted with
+    probability ``alpha`` independently, ``k`` drafts per target call, and a draft token costs
+    ``cost`` target tokens: ``E[tokens per call] / (k·cost + 1)``, ``E = (1 − α^(k+1)) / (1 − α)``."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * cost + 1)
+
+
 # ----------------------------------------------------------------------------------------- run
 
-def run(device=None, tiny: bool = False, hf: bool = True, spec: bool = True) -> dict:
-    """Run every section; print each row as it comes and a summary of ratios; return the numbers."""
+PARTS = ("decode", "trace", "paged", "speculative")
+
+def run(device=None, tiny: bool = False, hf: bool = True, parts=PARTS, json_path: str | None = None) -> dict:
+    """Run the chosen ``parts`` (of :data:`PARTS`); print each row as it comes, each part's ratios
+    when it ends and a summary; rewrite ``json_path`` (if given) after every part; return the numbers."""
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     tiny = tiny or not cuda
@@ -412,8 +449,8 @@ def run(device=None, tiny: bool = False, hf: bool = True, spec: bool = True) -> 
     if not cuda:
         print("no CUDA GPU: a tiny model on the CPU, to exercise the code; real numbers need a CUDA GPU")
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
-              "dtype": str(dtype).replace("torch.", ""), "tiny": tiny, "model": dataclasses.asdict(config),
-              "sizes": dataclasses.asdict(sizes)}
+              "dtype": str(dtype).replace("torch.", ""), "tiny": tiny, "parts": list(parts),
+              "model": dataclasses.asdict(config), "sizes": dataclasses.asdict(sizes)}
     if hf:
         try:
             import transformers
@@ -423,23 +460,52 @@ def run(device=None, tiny: bool = False, hf: bool = True, spec: bool = True) -> 
             print(result["hf_note"])
             hf = False
     started = time.perf_counter()
+
+    def part_done():
+        result["total_seconds"] = time.perf_counter() - started
+        new = {k: v for k, v in ratios(result).items() if k not in result.get("ratios", {})}
+        result["ratios"] = ratios(result)
+        for name, value in new.items():
+            print(f"  -> {name}: {value:.3f} (goal {GOALS.get(name, GOALS['speculative'])})", flush=True)
+        save_json(result, json_path)
+
     model = build_model(config, device, dtype)
     result["params"] = model.num_params()
+    engines = []
+
+    def engine():
+        """One engine for the decode and trace parts: its compiled step and CUDA graphs are made once."""
+        from lmfs.inference import LLM
+
+        if not engines:
+            engines.append(LLM(model, progress=False, compile=cuda))
+        return engines[0]
+
     print(f"model: {result['params'] / 1e9:.3g} B parameters, {result['dtype']} on {result['device']}")
-    _section(result, "decode_batch1", lambda: batch1_decode(model, sizes, device, hf))
+    if "decode" in parts:
+        _section(result, "decode_batch1", lambda: batch1_decode(model, sizes, device, hf, engine))
+        _free(device)
+        part_done()
+    if "trace" in parts or "paged" in parts:  # the paged KV figure comes from the engine's trace run
+        _section(result, "trace", lambda: trace_throughput(model, sizes, device, hf and "trace" in parts, result,
+                                                                  engine))
+        result.setdefault("paged_kv", {"error": "the engine's trace run did not finish"})
+        part_done()
+    del model, engines[:]
     _free(device)
-    _section(result, "trace", lambda: trace_throughput(model, sizes, device, hf, result))
-    result.setdefault("paged_kv", {"error": "the engine's trace run did not finish"})
-    del model
-    _free(device)
-    if spec:
+    if "speculative" in parts:
         _section(result, "speculative", lambda: speculative(sizes, device, dtype))
-    else:
-        result["speculative"] = {"error": "left out (--skip spec)"}
+        part_done()
     result["total_seconds"] = time.perf_counter() - started
     result["ratios"] = ratios(result)
     print_summary(result)
+    save_json(result, json_path)
     return result
+
+
+GOALS = {"decode: lmfs / HBM roofline": "≥ 0.70", "decode: lmfs / fastest HF": "≥ 2",
+         "trace: lmfs / best static-batch HF": "≥ 10", "paged KV in use / cached bytes": "≤ 1.1",
+         "speculative": "≥ 1.8"}
 
 
 def ratios(result: dict) -> dict:
@@ -463,11 +529,8 @@ def ratios(result: dict) -> dict:
 def print_summary(result: dict) -> None:
     print(f"\nsummary ({result['dtype']} on {result['device']}, {result['params'] / 1e9:.3g} B parameters, "
           f"{result['total_seconds']:.0f} s):")
-    goals = {"decode: lmfs / HBM roofline": "≥ 0.70", "decode: lmfs / fastest HF": "≥ 2",
-             "trace: lmfs / best static-batch HF": "≥ 10", "paged KV in use / cached bytes": "≤ 1.1"}
     for name, value in result["ratios"].items():
-        goal = goals.get(name, "≥ 1.8" if name.startswith("speculative") else "")
-        print(f"  {name:<40} {value:8.3f}   goal {goal}")
+        print(f"  {name:<40} {value:8.3f}   goal {GOALS.get(name, GOALS['speculative'])}")
     decode = result.get("decode_batch1", {})
     if "hf_best" in decode:
         agree = ", ".join(f"{name} {row['greedy_tokens_equal_lmfs']}" for name, row in decode["rows"].items()
@@ -479,7 +542,8 @@ def print_summary(result: dict) -> None:
     spec = result.get("speculative", {})
     if "best" in spec:
         row = spec["rows"][spec["best"]]
-        print(f"  (speculative: acceptance {row['acceptance_rate']:.2f} at {spec['best']}; target "
+        print(f"  (speculative: acceptance {row['acceptance_rate']:.2f} at {spec['best']}, predicted speed-up "
+              f"{row['predicted_speedup']:.2f} at draft cost c = {spec['draft_cost_ratio']:.2f}; target "
               f"{spec['target_params'] / 1e6:.1f} M, draft {spec['draft_params'] / 1e6:.2f} M parameters)")
     for name in ("decode_batch1", "trace", "paged_kv", "speculative"):
         if "error" in result.get(name, {}):
@@ -493,13 +557,18 @@ def main(argv=None) -> dict:
                                                  "speculative decoding")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model and trace, also on a GPU")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run (default: all): {', '.join(PARTS)}")
     parser.add_argument("--skip", default="", help="comma-separated: hf (no Hugging Face rows), spec "
-                                                   "(no speculative decoding)")
-    parser.add_argument("--json", default=None, help="write the results here")
+                                                   "(no speculative decoding, as leaving it out of --parts)")
+    parser.add_argument("--json", default=None, help="write the results here (rewritten after every part)")
     args = parser.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if skip - {"hf", "spec"}:
         parser.error(f"--skip takes hf and/or spec, got {sorted(skip - {'hf', 'spec'})}")
-    result = run(args.device, tiny=args.tiny, hf="hf" not in skip, spec="spec" not in skip)
-    save_json(result, args.json)
-    return result
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if set(parts) - set(PARTS):
+        parser.error(f"--parts takes {', '.join(PARTS)}, got {sorted(set(parts) - set(PARTS))}")
+    if "spec" in skip:
+        parts = [p for p in parts if p != "speculative"]
+    return run(args.device, tiny=args.tiny, hf="hf" not in skip, parts=tuple(parts), json_path=args.json)

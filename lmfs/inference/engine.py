@@ -15,14 +15,28 @@
   generator, so its output does not change).
 * **Decode without host work per token.** Block tables, positions and last tokens live in device
   tensors indexed by a per-request row; a decode step gathers them with the running rows' indices,
-  and the only host sync is reading the sampled ids. On a GPU the decode forward is captured in
-  CUDA graphs for a few padded batch sizes and replayed.
+  samples on the device (greedy and temperature-only requests, the common case; top-k/p, min-p
+  and repetition penalties go through :func:`~lmfs.inference.sample` after the forward), advances
+  the positions and last tokens there too, and copies one small ``(2, B)`` tensor of ids and
+  log-probs to the host: the step's only sync. What the host does per step is bookkeeping of
+  Python lists (new blocks, finished requests), never a loop over the vocabulary.
+* **CUDA graphs** (GPU): the whole decode step, forward and sampling, is captured once per padded
+  batch size (powers of two; padded rows read and write a dummy row and the scratch block) and
+  replayed, so a step costs one launch instead of a thousand. With ``compile=True`` the step is
+  compiled with ``torch.compile`` before capture, which fuses the many small element-wise kernels
+  of a layer (norms, RoPE, activations, residual adds): at batch 1 those, not the weight reads,
+  dominate the step of an uncompiled graph. Compiling costs about a minute per engine, so it pays
+  for long runs (a benchmark, an RL loop that keeps one engine), not for a quick evaluation.
+  If the weights' storage changes between calls (a new dtype, new tensors), the graphs are
+  captured again; weights updated in place (an optimiser step) are read by the next replay as
+  they are.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +46,7 @@ import torch
 from lmfs.inference.kv_cache import (BlockAllocator, KVCache, PagedKVCache, kv_bytes_per_token,
                                      paged_attention_reference)
 from lmfs.inference.runner import PagedBatch, forward_cached, gathered_batch, paged_forward
-from lmfs.inference.sampling import SamplingParams, sample
+from lmfs.inference.sampling import SamplingParams, draw_uniforms, sample, sample_scaled
 
 
 @dataclass
@@ -145,7 +159,9 @@ class LLM:
     tokens (default: room for ``max_batch_size`` full contexts, capped on a GPU at half its free
     memory, on the CPU at 16 full contexts); ``max_batch_size``: running requests at most;
     ``max_batch_tokens``: prompt tokens per prefill step (a longer prompt runs alone);
-    ``cuda_graphs``: ``"auto"`` (on for CUDA, off on the CPU), True or False; ``attention``:
+    ``cuda_graphs``: ``"auto"`` (on for CUDA, off on the CPU), True or False; ``compile``:
+    ``torch.compile`` the decode step (module docstring; a compile error falls back to the plain
+    step with a warning); ``attention``:
     decode attention, ``"auto"`` (the Triton kernel on CUDA when importable and the model has no
     sliding window or soft-cap, else the reference), ``"triton"`` or ``"reference"``;
     ``progress``: a progress bar over requests (None: only on a terminal or notebook).
@@ -159,7 +175,7 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_batch_size: int = 256, max_batch_tokens: int = 4096, cuda_graphs="auto",
-                 attention: str = "auto", progress: bool | None = None):
+                 attention: str = "auto", progress: bool | None = None, compile: bool = False):
         cfg = model.config
         param = next(model.parameters())
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
@@ -186,9 +202,14 @@ class LLM:
 
         self.decode_attention = self._pick_attention(attention)
         self.cuda_graphs = self._pick_graphs(cuda_graphs)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r}: use True or False")
+        self.compile = compile
+        self._step_fn = None                  # the decode step, compiled or not (made on first use)
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
-        self._rows_key, self._rows = None, None
+        self._weights = None                  # where the weights lived when the graphs were captured
+        self._state = None                    # the running batch's device tensors (_batch_state)
         self.stats = self._empty_stats()
 
     # ------------------------------------------------------------------------------------------
@@ -293,6 +314,8 @@ class LLM:
         """Schedule until every request is finished, yielding ``(request, token)`` per new token."""
         from tqdm.auto import tqdm
         self.stats = self._empty_stats()
+        self._check_weights()
+        self._state = None
         self.stats["requests"] = len(requests)
         progress = self.progress if progress is None else progress
         bar = tqdm(total=len(requests), desc="requests", disable=None if progress is None else not progress)
@@ -351,6 +374,7 @@ class LLM:
         return admitted
 
     def _release(self, r: _Request) -> None:
+        self._state = None   # the running batch changes
         for b in r.blocks:
             self.allocator.release(b)
         r.blocks = []
@@ -358,11 +382,10 @@ class LLM:
             self.free_rows.append(r.row)
             r.row = None
 
-    def _accept(self, reqs: list[_Request], next_ids: torch.Tensor, logprobs: torch.Tensor,
+    def _accept(self, reqs: list[_Request], ids: list[float], lps: list[float],
                 running: list) -> list[tuple[_Request, int]]:
-        """Append each request's sampled token (one host sync for the whole batch), finish and
-        free those that are done."""
-        ids, lps = torch.stack([next_ids.double(), logprobs.double()]).tolist()
+        """Append each request's sampled token (``ids``, ``lps``: host lists, one entry per request),
+        finish and free those that are done."""
         events = []
         for r, t, lp in zip(reqs, ids, lps):
             t = int(t)
@@ -394,11 +417,12 @@ class LLM:
         self.positions[rows] = torch.tensor([len(r.tokens) for r in admitted], device=self.device)
         self.last_token[rows] = next_ids
         running.extend(admitted)
+        self._state = None
         s = self.stats
         s["prefill_tokens"] += batch.tokens.numel()
         s["shared_prefix_tokens"] += sum(r.cached for r in admitted)
         s["prefill_steps"] += 1
-        events = self._accept(admitted, next_ids, logprobs, running)
+        events = self._accept(admitted, *_to_host(next_ids, logprobs), running)
         s["prefill_seconds"] += time.perf_counter() - start
         return events
 
@@ -430,28 +454,47 @@ class LLM:
             self.tables[updates[0], updates[1]] = updates[2].to(torch.int32)
         self._account(running)
 
-        rows = self._rows_tensor(running)
-        if self.config.attention == "mla":   # latents: the gathered path
+        if self.config.attention == "mla":   # latents: the gathered path, sampled on the host side
             batch = gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in running],
                                    bs, self.config.window, self.device)
-            logits = paged_forward(self.model, self.cache, batch)
+            next_ids, logprobs = self._sample(running, paged_forward(self.model, self.cache, batch))
+            ids, lps = _to_host(next_ids, logprobs)
         else:
-            logits = self._decode_logits(rows)
-        next_ids, logprobs = self._sample(running, logits)
-        self.last_token[rows] = next_ids
-        self.positions[rows] += 1
+            state = self._batch_state(running)
+            uniforms = None
+            if state["plain"] and not state["greedy"]:
+                uniforms = draw_uniforms([r.params for r in running], [r.generator for r in running], self.device)
+            logits, drawn = self._decode_step(state, uniforms, max(len(r.blocks) for r in running))
+            if state["plain"]:
+                ids, lps = drawn.tolist()             # the step's one device-to-host copy
+            else:                                     # filters or penalties: sample from the logits
+                next_ids, logprobs = self._sample(running, logits)
+                self.last_token[state["rows"]] = next_ids
+                ids, lps = _to_host(next_ids, logprobs)
         self.stats["decode_tokens"] += len(running)
         self.stats["decode_steps"] += 1
-        events = self._accept(list(running), next_ids, logprobs, running)
+        events = self._accept(list(running), ids, lps, running)
         self.stats["decode_seconds"] += time.perf_counter() - start
         return events
 
-    def _rows_tensor(self, running: list) -> torch.Tensor:
-        """The running requests' rows as a device tensor, copied only when the batch changed."""
-        key = tuple(r.row for r in running)
-        if key != self._rows_key:
-            self._rows_key, self._rows = key, torch.tensor(key, device=self.device)
-        return self._rows
+    def _batch_state(self, running: list) -> dict:
+        """The running batch as device tensors, rebuilt only when the batch changed: its ``rows``,
+        ``temperatures`` (0 for greedy), whether every request is ``plain`` (sampled inside the step)
+        or ``greedy``; with CUDA graphs the same padded to the graph's batch size (``padded_rows``
+        point at the dummy row)."""
+        if self._state is None:
+            rows = [r.row for r in running]
+            temps = [r.params.temperature for r in running]
+            state = dict(plain=all(r.params.plain for r in running), greedy=all(r.params.greedy for r in running),
+                         size=len(rows))
+            if self.cuda_graphs:
+                state["size"] = size = 1 << (len(rows) - 1).bit_length()   # few graphs to capture
+                rows, temps = rows + [self.dummy] * (size - len(rows)), temps + [0.0] * (size - len(rows))
+            state["padded_rows"] = torch.tensor(rows, device=self.device)
+            state["padded_temperatures"] = torch.tensor(temps, dtype=torch.float32, device=self.device)
+            state["rows"] = state["padded_rows"][:len(running)]
+            self._state = state
+        return self._state
 
     def _account(self, running: list) -> None:
         """KV memory statistics, summed over decode steps (so their ratio is a time average)."""
@@ -461,50 +504,115 @@ class LLM:
         s["kv_bytes_of_tokens"] += self.cache.bytes_of_tokens(sum(r.length for r in running))
 
     # ------------------------------------------------------------------------------------------
-    # The decode forward, plain or through CUDA graphs
+    # The decode step, plain or through CUDA graphs
 
-    def _decode_batch(self, rows: torch.Tensor) -> PagedBatch:
-        """Everything a decode step needs, gathered on the device from the running ``rows`` ``(B,)``."""
+    def _decode_batch(self, rows: torch.Tensor, width: int | None = None) -> PagedBatch:
+        """Everything a decode step needs, gathered on the device from the running ``rows`` ``(B,)``;
+        ``width``: the block tables' columns to keep (None: all, the fixed shape a CUDA graph needs;
+        fewer save the reference attention from gathering blocks no sequence has yet)."""
         positions = self.positions[rows]
-        tables = self.tables[rows]
+        tables = self.tables[rows, :width]
         block = tables.gather(1, (positions // self.block_size)[:, None])[:, 0].long()
         slots = block * self.block_size + positions % self.block_size
         return PagedBatch(self.last_token[rows], positions, slots, block_tables=tables,
                           seq_lens=(positions + 1).to(torch.int32))
 
-    def _decode_forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return paged_forward(self.model, self.cache, self._decode_batch(rows), self.decode_attention)
+    def _step(self, rows: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor | None,
+              width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step on the device, no host sync: the forward of ``rows`` ``(B,)`` (block tables
+        cut to ``width`` columns), a draw at ``temperatures`` ``(B,)`` (0: greedy) with ``uniforms``
+        ``(B,)`` (None: all greedy), and the rows' last tokens and positions advanced. Returns the
+        logits ``(B, V)`` and ``(2, B)`` float64 sampled ids and their log-probs."""
+        logits = paged_forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
+        greedy = temperatures == 0
+        processed = logits.float() / torch.where(greedy, 1.0, temperatures)[:, None]
+        next_ids, logprobs = sample_scaled(processed, greedy, uniforms)
+        self.last_token[rows] = next_ids
+        self.positions[rows] += 1
+        self.positions[self.dummy] = 0     # padded rows wrote here: keep the dummy row at position 0
+        return logits, torch.stack([next_ids.double(), logprobs.double()])
 
-    def _decode_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """Logits ``(B, V)`` of the running ``rows``' next tokens."""
+    def _step_function(self):
+        """The decode step, compiled once when ``self.compile`` (falls back to the plain step)."""
+        if self._step_fn is None:
+            self._step_fn = self._step
+            if self.compile:
+                if self.decode_attention is not paged_attention_reference:   # the Triton kernel: an opaque op
+                    from lmfs.kernels.paged_attention import paged_decode_attention_op
+                    self.decode_attention = paged_decode_attention_op
+                self._step_fn = torch.compile(self._step)
+        return self._step_fn
+
+    def _run_step(self, *args):
+        """The (compiled) step; a compile error switches compilation off, with a warning, for good."""
+        try:
+            return self._step_function()(*args)
+        except Exception as err:   # torch.compile failing on an unusual model must not stop generation
+            if not self.compile:
+                raise
+            warnings.warn(f"torch.compile of the decode step failed, decoding without it: {err}", stacklevel=3)
+            self.compile, self._step_fn = False, self._step
+            return self._step(*args)
+
+    def _decode_step(self, state: dict, uniforms: torch.Tensor | None,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_step` for the running batch, whose longest block table has ``width`` blocks:
+        called directly, or replayed from its CUDA graph (which reads the tables' full width)."""
+        B = len(state["rows"])
         if not self.cuda_graphs:
-            return self._decode_forward(rows)
-        B = rows.shape[0]
-        size = 1 << (B - 1).bit_length()            # padded to a power of two: few graphs to capture
+            return self._run_step(state["rows"], state["padded_temperatures"], uniforms, width)
+        size = state["size"]
         if size not in self._graphs:
             self._graphs[size] = self._capture(size)
-        graph, static_rows, static_logits = self._graphs[size]
-        static_rows.fill_(self.dummy)
-        static_rows[:B] = rows
+        graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn = self._graphs[size]
+        static_rows.copy_(state["padded_rows"])
+        static_temps.copy_(state["padded_temperatures"])
+        if uniforms is not None:
+            static_uniforms[:B].copy_(uniforms)
         graph.replay()
-        return static_logits[:B]
+        return static_logits[:B], static_drawn[:, :B]
 
     def _capture(self, size: int) -> tuple:
-        """Capture the decode forward for ``size`` rows (padded rows read and write the dummy row and
-        the scratch block); the graph reads its rows from a static buffer filled before each replay."""
+        """Capture :meth:`_step` for ``size`` rows; the graph reads its rows, temperatures and uniforms
+        from static buffers filled before each replay."""
         static_rows = torch.full((size,), self.dummy, dtype=torch.long, device=self.device)
+        static_temps = torch.ones(size, device=self.device)
+        static_uniforms = torch.full((size,), 0.5, device=self.device)
+        if self.compile and size > 1:   # one compiled step serves every padded size above 1
+            for t in (static_rows, static_temps, static_uniforms):
+                torch._dynamo.mark_dynamic(t, 0)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):             # warm-up (kernel selection, Triton compiles)
+        with torch.cuda.stream(stream):             # warm-up (compilation, kernel selection, Triton autotuning)
             for _ in range(2):
-                self._decode_forward(static_rows)
+                self._run_step(static_rows, static_temps, static_uniforms)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            static_logits = self._decode_forward(static_rows)
-        return graph, static_rows, static_logits
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                static_logits, static_drawn = self._step_function()(static_rows, static_temps, static_uniforms)
+        except Exception as err:   # compiled code that cannot be captured: capture the plain step
+            if not self.compile:
+                raise
+            warnings.warn(f"capturing the compiled decode step failed, capturing it uncompiled: {err}", stacklevel=3)
+            self.compile, self._step_fn = False, self._step
+            return self._capture(size)
+        return graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn
+
+    def _check_weights(self) -> None:
+        """Drop the CUDA graphs if the weights moved (new tensors or dtype) since they were captured:
+        a graph holds the addresses it read. In-place updates keep the addresses, and the graphs."""
+        where = tuple((p.data_ptr(), p.dtype) for p in self.model.parameters())
+        if where != self._weights:
+            self._graphs.clear()
+            self._weights = where
+
+
+def _to_host(next_ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[float]]:
+    """Ids and log-probs ``(B,)`` as two host lists, in one copy."""
+    return torch.stack([next_ids.double(), logprobs.double()]).tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,7 +655,7 @@ def generate_static(model, prompts, params: SamplingParams | Sequence[SamplingPa
             params = [r.params for r in batch]
             previous = [r.tokens for r in batch] if any(p.repetition_penalty != 1 for p in params) else None
             next_ids, logprobs = sample(logits, params, [r.generator for r in batch], previous)
-            ids, lps = torch.stack([next_ids.double(), logprobs.double()]).tolist()
+            ids, lps = _to_host(next_ids, logprobs)
             for r, t, lp in zip(batch, ids, lps):
                 if r.finish_reason is None:
                     r.out.append(int(t))

@@ -74,6 +74,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def plain(self) -> bool:
+        """Greedy or temperature only (no penalty, top-k, top-p or min-p): the engine samples such
+        requests on the device inside its decode step (:func:`sample_scaled`)."""
+        return (self.repetition_penalty == 1.0 and self.top_k is None and self.top_p == 1.0
+                and self.min_p == 0.0)
+
     def generator(self, device) -> torch.Generator | None:
         """A fresh generator seeded with ``seed`` on ``device`` (None without a seed)."""
         if self.seed is None:
@@ -134,7 +141,7 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     return logits
 
 
-def _uniforms(params: Sequence[SamplingParams], generators, device) -> torch.Tensor:
+def draw_uniforms(params: Sequence[SamplingParams], generators, device) -> torch.Tensor:
     """One uniform number in [0, 1) per row: from the row's own generator if it has one."""
     u = torch.rand(len(params), device=device)        # the global generator, for unseeded rows
     if generators is not None:
@@ -142,6 +149,26 @@ def _uniforms(params: Sequence[SamplingParams], generators, device) -> torch.Ten
             if g is not None:
                 u[i] = torch.rand((), generator=g, device=device)
     return u
+
+
+def sample_scaled(processed: torch.Tensor, greedy: torch.Tensor | None,
+                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw itself, on the device and without a host sync: ``processed`` ``(B, V)`` float32 logits
+    of the distributions to sample from (:func:`process_logits`); ``greedy`` ``(B,)`` bool, the rows
+    that take the argmax (None: every row samples); ``uniforms`` ``(B,)``, one number in [0, 1) per
+    row (None when every row is greedy). Returns ``(next_ids (B,) long, logprobs (B,) float32)``,
+    the log-probs under ``processed``."""
+    log_probs = torch.log_softmax(processed, dim=-1)
+    next_ids = processed.argmax(dim=-1)
+    if uniforms is not None:
+        # Inverse-CDF sampling: the first token whose cumulative probability exceeds u·total.
+        # Tokens filtered out have probability 0 and never widen the CDF, so they are never chosen.
+        cdf = log_probs.exp().cumsum(dim=-1)
+        total = cdf[:, -1]
+        u = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))  # stay below the
+        drawn = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp(max=processed.shape[-1] - 1)  # top
+        next_ids = drawn if greedy is None else torch.where(greedy, next_ids, drawn)
+    return next_ids, log_probs.gather(-1, next_ids[:, None])[:, 0]
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -161,16 +188,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be (B, V) with B = len(params) = {len(params)}, got {tuple(logits.shape)}")
     processed = process_logits(logits, params, previous_tokens)
-    log_probs = torch.log_softmax(processed, dim=-1)
-    next_ids = processed.argmax(dim=-1)
-    if not all(p.greedy for p in params):
-        # Inverse-CDF sampling: the first token whose cumulative probability exceeds u·total.
-        # Tokens filtered out have probability 0 and never widen the CDF, so they are never chosen.
-        cdf = log_probs.exp().cumsum(dim=-1)
-        total = cdf[:, -1]
-        u = torch.minimum(_uniforms(params, generators, logits.device) * total,  # stay below the top,
-                          torch.nextafter(total, torch.zeros_like(total)))      # even after rounding
-        drawn = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        next_ids = torch.where(greedy, next_ids, drawn)
-    return next_ids, log_probs.gather(-1, next_ids[:, None])[:, 0]
+    if all(p.greedy for p in params):
+        return sample_scaled(processed, None, None)
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return sample_scaled(processed, greedy, draw_uniforms(params, generators, logits.device))

@@ -12,19 +12,29 @@ so memory is handed out a block at a time and nothing is reserved for tokens tha
 price is an indirection: token ``t`` of sequence ``b`` lives at row ``t % block_size`` of pool
 block ``block_tables[b, t // block_size]``.
 
-One program handles one (sequence, KV head) pair. With grouped-query attention the
+One program handles one (sequence, KV head, split). With grouped-query attention the
 ``n_heads / n_kv_heads`` query heads that read the same KV head are processed together, as the rows
 of one small matrix, so each key and value is loaded once for all of them (and ``tl.dot`` can
-multiply; the rows are padded to 16, its smallest size). The program walks the sequence
-``BLOCK_S`` tokens at a time, looking every token's pool block up in the block table (a step may
-span several cache blocks, or part of one), and keeps FlashAttention's online softmax in float32:
-a running maximum ``m``, normaliser ``l`` and unnormalised output ``acc`` per query head, rescaled
-by ``exp(m_old − m_new)`` whenever the maximum grows. Nothing of size ``seq_len`` is ever stored.
+multiply; the rows are padded to 16, its smallest size). The program walks its tokens ``BLOCK_S``
+at a time, looking every token's pool block up in the block table (a step may span several cache
+blocks, or part of one), and keeps FlashAttention's online softmax in float32: a running maximum
+``m``, normaliser ``l`` and unnormalised output ``acc`` per query head, rescaled by
+``exp(m_old − m_new)`` whenever the maximum grows. Nothing of size ``seq_len`` is ever stored.
 
-Decoding is memory-bound: the kernel's job is to read each cached key and value once. Long
-sequences at small batch sizes would want the sequence split across programs as well
-("flash-decoding"), which this kernel does not do. The reference it is checked against is
-:func:`lmfs.inference.kv_cache.paged_attention_reference` (gather the blocks, plain attention).
+**Splitting the sequence (flash-decoding).** Decoding is memory-bound: the kernel's job is to read
+each cached key and value once, and that needs every streaming multiprocessor busy. At batch 1 a
+model with 8 KV heads gives only 8 (sequence, KV head) pairs, 8 programs on a GPU with 132 SMs,
+each walking the whole context alone. So the context is cut into ``num_splits`` contiguous
+pieces, one program each, and ``num_splits`` is chosen so that ``B · n_kv_heads · num_splits``
+fills the GPU about twice over. Each split returns its own ``m``, ``l`` and ``acc``; a second,
+tiny kernel merges them exactly, the way the online softmax merges two steps:
+``M = max m_s``, ``out = Σ acc_s·exp(m_s − M) / Σ l_s·exp(m_s − M)``. Splits are cut per sequence
+from its own length (a short sequence has empty splits, which return ``l = 0``), and the number
+of splits depends only on the shapes, so a CUDA graph captured once serves every length. With one
+split the kernel writes the output directly and no merge runs.
+
+The reference it is checked against is :func:`lmfs.inference.kv_cache.paged_attention_reference`
+(gather the blocks, plain attention).
 """
 
 from __future__ import annotations
@@ -33,20 +43,28 @@ import math
 
 import torch
 
-from lmfs.kernels._triton import INTERPRET, autotune_bench, check_tensors, config_str, n_candidates, tl, triton
+from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, config_str, n_candidates, sm_count, tl,
+                                  triton)
 
 
 @triton.jit(do_not_specialize=["N_CANDIDATES"])
-def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, max_blocks, block_size,
-                        n_heads, n_kv_heads, N_CANDIDATES, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, scale, max_blocks,
+                        block_size, n_heads, n_kv_heads, N_CANDIDATES, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Attention output of the ``GROUP`` query heads of KV head ``program_id(1)`` of sequence
-    ``program_id(0)``. q and out are (B, n_heads, HEAD_DIM), caches (blocks, block_size,
-    n_kv_heads, HEAD_DIM), all contiguous."""
+                        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Attention of the ``GROUP`` query heads of KV head ``program_id(1)`` of sequence
+    ``program_id(0)`` over split ``program_id(2)`` of its tokens. q is (B, n_heads, HEAD_DIM), caches
+    (blocks, block_size, n_kv_heads, HEAD_DIM), all contiguous. With one split ``out`` is the
+    output (B, n_heads, HEAD_DIM); with several it is the float32 partial ``acc``
+    (B, n_heads, NUM_SPLITS, HEAD_DIM) and ``m``, ``l`` (B, n_heads, NUM_SPLITS) are written too."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
+    # This split's tokens: an equal share of the sequence, rounded up to whole steps of BLOCK_S.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_S) * BLOCK_S
+    first = split * per_split
+    last = tl.minimum(first + per_split, seq_len)
     heads = kv_head * GROUP + tl.arange(0, BLOCK_G)  # query heads h with h // GROUP == kv_head
     head_ok = tl.arange(0, BLOCK_G) < GROUP
     dims = tl.arange(0, BLOCK_D)
@@ -60,9 +78,9 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scal
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     token_stride = n_kv_heads * HEAD_DIM  # between consecutive tokens (rows) of one pool block
-    for start in range(0, seq_len, BLOCK_S):
+    for start in range(first, last, BLOCK_S):
         tokens = start + tl.arange(0, BLOCK_S)
-        token_ok = tokens < seq_len
+        token_ok = tokens < last
         # The block table turns a token position into a pool block; the remainder is its row there.
         block = tl.load(tables_ptr + b.to(tl.int64) * max_blocks + tokens // block_size, mask=token_ok, other=0)
         row = block.to(tl.int64) * block_size + tokens % block_size
@@ -80,8 +98,36 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scal
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len 0 (no tokens) gives zeros, not NaN
-    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+    mask = head_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len 0 (no tokens) gives zeros, not NaN
+        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # partial results, in base 2 like m, for paged_decode_merge_kernel
+        part = (b.to(tl.int64) * n_heads + heads) * NUM_SPLITS + split  # (BLOCK_G,) index of (b, head, split)
+        tl.store(out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=mask)
+        tl.store(m_ptr + part, m, mask=head_ok)
+        tl.store(l_ptr + part, l, mask=head_ok)
+
+
+@triton.jit
+def paged_decode_merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+    """Merge the ``NUM_SPLITS`` partial results of one (sequence, query head), ``program_id(0)`` in
+    ``0 .. B·n_heads − 1``: ``Σ acc_s·2^(m_s − M) / Σ l_s·2^(m_s − M)`` with ``M = max m_s``."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    m = tl.load(m_ptr + row * NUM_SPLITS + splits)                        # (NUM_SPLITS,)
+    l = tl.load(l_ptr + row * NUM_SPLITS + splits)
+    acc = tl.load(acc_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=dim_ok[None, :], other=0.0)                       # (NUM_SPLITS, BLOCK_D)
+    top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights 0, output 0
+    w = tl.exp2(m - top)                            # an empty split (m = -inf) weighs 0
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 # Autotuning candidates on a GPU: (BLOCK_S, warps, stages), the likeliest first. Each step loads
@@ -99,7 +145,7 @@ if INTERPRET:  # the interpreter cannot time anything: one fixed block of tokens
     _kernel = paged_decode_kernel
     _BLOCKS = {"BLOCK_S": 32}
 else:
-    _kernel = triton.autotune(_CONFIG_OBJECTS, key=["HEAD_DIM", "GROUP", "N_CANDIDATES"],
+    _kernel = triton.autotune(_CONFIG_OBJECTS, key=["HEAD_DIM", "GROUP", "NUM_SPLITS", "N_CANDIDATES"],
                               prune_configs_by={"early_config_prune": _prune}, do_bench=autotune_bench)(
         paged_decode_kernel)
     _BLOCKS = {}
@@ -130,15 +176,28 @@ def _check(fn: str, q, k_cache, v_cache, block_tables, seq_lens) -> None:
             raise TypeError(f"{fn}: {name} must hold integers, got {t.dtype}; use {name}.int()")
 
 
+def choose_splits(batch: int, n_kv_heads: int, max_tokens: int, device: torch.device,
+                  min_tokens: int = 64) -> int:
+    """How many pieces to cut each sequence into: enough for ``batch · n_kv_heads · splits`` programs
+    to fill every SM of ``device`` about twice, no more pieces than ``max_tokens / min_tokens`` (a
+    piece shorter than ``min_tokens`` costs more in merging than it saves), a power of two (the
+    merge kernel loads all of them at once), at least 1. Depends on shapes only, never on lengths."""
+    want = math.ceil(2 * sm_count(device) / max(batch * n_kv_heads, 1))
+    splits = max(1, min(want, max_tokens // min_tokens, 64))
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None,
-                           autotune_candidates: int | None = None) -> torch.Tensor:
+                           autotune_candidates: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache; shapes in the module
     docstring. ``scale`` defaults to ``1/sqrt(head_dim)``. Query head ``h`` reads KV head
     ``h // (n_heads // n_kv_heads)``. The sequence's tokens are ``0 .. seq_lens[b] − 1`` (all of them
     attend: the new token is the last one, so no causal mask is needed). float32/float16/bfloat16,
     float32 softmax; on a CUDA GPU (or the CPU under Triton's interpreter). ``autotune_candidates``:
-    on a GPU, how many block-size candidates the autotuner tries (None: all).
+    on a GPU, how many block-size candidates the autotuner tries (None: all). ``num_splits``: pieces
+    each sequence is cut into (a power of two; None: :func:`choose_splits` from the batch size, the
+    KV heads, the block table's width and the GPU's SM count).
     """
     device = check_tensors("paged_decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     candidates = n_candidates("paged_decode_attention", autotune_candidates)
@@ -150,15 +209,45 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
     lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
+    if num_splits is None:
+        num_splits = choose_splits(B, n_kv_heads, tables.shape[1] * block_size, device)
+    elif num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"paged_decode_attention: num_splits={num_splits} must be a power of two (1, 2, 4, ...), "
+                         "or None to choose it from the shapes")
     out = torch.empty_like(q)
     if B == 0:
         return out
-    _kernel[(B, n_kv_heads)](q, k_cache, v_cache, tables, lens, out, scale, tables.shape[1], block_size, n_heads,
-                             n_kv_heads, candidates, HEAD_DIM=head_dim, GROUP=group,
-                             BLOCK_G=max(16, triton.next_power_of_2(group)),
-                             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=INTERPRET,
-                             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **_BLOCKS)
+    BLOCK_D = max(16, triton.next_power_of_2(head_dim))
+    if num_splits == 1:
+        acc = m = l = out  # m and l are not written with one split
+    else:
+        acc = torch.empty(B, n_heads, num_splits, head_dim, device=device, dtype=torch.float32)
+        m = torch.empty(B, n_heads, num_splits, device=device, dtype=torch.float32)
+        l = torch.empty_like(m)
+    _kernel[(B, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, tables, lens, acc, m, l, scale, tables.shape[1], block_size, n_heads, n_kv_heads,
+        candidates, HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=BLOCK_D,
+        NUM_SPLITS=num_splits, UPCAST=INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **_BLOCKS)
+    if num_splits > 1:
+        paged_decode_merge_kernel[(B * n_heads,)](acc, m, l, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+                                                  BLOCK_D=BLOCK_D)
     return out
 
 
-__all__ = ["paged_decode_attention", "paged_decode_kernel", "autotune_choice"]
+@torch.library.custom_op("lmfs::paged_decode_attention", mutates_args=())
+def paged_decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                              scale: float | None = None) -> torch.Tensor:
+    """:func:`paged_decode_attention` as a PyTorch operator, which ``torch.compile`` calls as it is
+    instead of tracing into the launcher (its checks, the autotuner): what the engine's compiled
+    decode step uses."""
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+@paged_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    return torch.empty_like(q)
+
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_op", "paged_decode_kernel", "paged_decode_merge_kernel", "choose_splits",
+           "autotune_choice"]
