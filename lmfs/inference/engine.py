@@ -525,7 +525,9 @@ class LLM:
         logits ``(B, V)`` and ``(2, B)`` float64 sampled ids and their log-probs."""
         logits = paged_forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
         greedy = temperatures == 0
-        processed = logits.float() / torch.where(greedy, 1.0, temperatures)[:, None]
+        # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,
+        # which a CUDA graph cannot capture
+        processed = logits.float() / temperatures.masked_fill(greedy, 1.0)[:, None]
         next_ids, logprobs = sample_scaled(processed, greedy, uniforms)
         self.last_token[rows] = next_ids
         self.positions[rows] += 1
@@ -563,7 +565,13 @@ class LLM:
             return self._run_step(state["rows"], state["padded_temperatures"], uniforms, width)
         size = state["size"]
         if size not in self._graphs:
-            self._graphs[size] = self._capture(size)
+            try:
+                self._graphs[size] = self._capture(size)
+            except RuntimeError as err:   # a step that cannot be captured still decodes, only slower
+                warnings.warn(f"capturing the decode step in a CUDA graph failed, decoding without graphs: {err}",
+                              stacklevel=2)
+                self.cuda_graphs = False
+                return self._run_step(state["rows"], state["padded_temperatures"], uniforms, width)
         graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn = self._graphs[size]
         static_rows.copy_(state["padded_rows"])
         static_temps.copy_(state["padded_temperatures"])
