@@ -65,9 +65,9 @@ LECTURES = [
     Lecture("12", "12_evaluation", "Evaluation", "lmfs.eval: perplexity, harnesses, sandboxed code execution, pass@k, contamination, lm-eval adapter"),
     Lecture("13", "13_data_1", "Data 1", "lmfs.data: WARC, extraction, language id, PII, Gopher and C4 rules"),
     Lecture("14", "14_data_2", "Data 2", "lmfs.data: Kneser-Ney n-gram LM, quality classifier, DSIR, Bloom filter, MinHash dedup, sharded pipeline"),
-    Lecture("15", "15_alignment_sft_rlhf", "Alignment: SFT and RLHF", "lmfs.alignment: SFT, reward model, DPO", "planned"),
-    Lecture("16", "16_alignment_rl_1", "Alignment: RL 1", "lmfs.alignment: policy gradients, GRPO", "planned"),
-    Lecture("17", "17_alignment_rl_2", "Alignment: RL 2", "lmfs.alignment: full GRPO trainer with the inference engine", "planned"),
+    Lecture("15", "15_alignment_sft_rlhf", "Alignment: SFT and RLHF", "lmfs.alignment: SFT, reward model, DPO"),
+    Lecture("16", "16_alignment_rl_1", "Alignment: RL 1", "lmfs.alignment: policy gradients, GRPO"),
+    Lecture("17", "17_alignment_rl_2", "Alignment: RL 2", "lmfs.alignment: full GRPO trainer with the inference engine"),
 ]
 LECTURE_FILENAMES = {lec.filename for lec in LECTURES}
 

@@ -142,6 +142,15 @@ def performance_rows() -> list[str]:
                 f"**{ratios['lmfs batched / lmfs one at a time']:.1f}×** one at a time (lm-eval not measured)")
     rows.append(_row("evaluation", evaluation, "one item at a time; `lm-eval`'s Hugging Face backend",
                      "≥ 5× one at a time, ≥ 1.0× lm-eval", evaluation and text))
+    grpo = load_result("grpo", quiet=True) or load_result("grpo", device="cpu", quiet=True)
+    if grpo:
+        lm = grpo["lmfs"]
+        text = (f"useful generation {lm['useful_generation_share']:.0%} of a step "
+                f"({lm['useful_share_of_rollout']:.0%} of the rollout); "
+                + (f"**{grpo['ratio']:.2f}×** TRL's samples/s" if "ratio" in grpo else "TRL not measured")
+                + f" ({grpo['params'] / 1e6:.2f} M parameters, {grpo['batch']} sequences a step)")
+    rows.append(_row("grpo", grpo, "TRL `GRPOTrainer` (same exported model, task, batch)",
+                     "≥ 70% useful generation, ≥ 2× TRL's samples/s", grpo and text))
     fit = load_result("chinchilla-fit", device="cpu", quiet=True)
     if fit:
         ours, ci = fit["lmfs"], fit["lmfs"].get("ci95", {})

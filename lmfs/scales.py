@@ -532,17 +532,17 @@ CONFIGS: dict[str, dict[str, dict]] = {
             n_val_pairs=48,            # held-out pairs for the accuracies and margins
         ),
         "full": dict(
-            # ~15 MB of text (~6 M tokens: stories 8 MB, arithmetic ~4 MB, chat ~3 MB); 1,200 steps x
-            # 32,768 tokens = 39 M tokens (~6 passes), about 30-40 s on one H200 plus ~20 s to build the text.
+            # 14.6 MB of text (stories 8 MB, arithmetic ~4 MB, chat ~3 MB) = 4.9 M tokens, built in ~10 s;
+            # 1,600 steps x 32,768 tokens = 52 M tokens (~10 passes): 26-52 s at 1-2 M tokens/s on one H200.
             # arithmetic_pool: distinct sums per size and op the text repeats (of ~6,500 two-digit train
             # additions): the knob that sets how many unseen sums the SFT model gets right (aim: 20-50%)
             base=dict(story_bytes=8_000_000, arithmetic_lines=150_000, arithmetic_pool=1_000, chat_examples=12_000,
                       seed=0, vocab_size=2_048, tokenizer_bytes=3_000_000,
                       model=dict(d_model=384, n_layers=6, n_heads=6, context_length=256),
-                      batch_size=128, steps=1_200, lr=2e-3, warmup_steps=100),
-            # the 2,000 instructions pack into ~450 rows: 60 steps x 32 rows is about 4 passes
+                      batch_size=128, steps=1_600, lr=2e-3, warmup_steps=100),
+            # the 2,000 instructions pack into 475 rows: 60 steps x 32 rows is about 4 passes (~3 s)
             sft=dict(steps=60, batch_size=32, micro_batch_size=16, lr=3e-4, warmup_steps=6),
-            n_eval=300,
+            n_eval=150,                # all 150 held-out two-digit additions
             n_val_instructions=300,
             max_tokens=48,
             n_show=6,

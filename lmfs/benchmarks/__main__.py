@@ -27,6 +27,7 @@ BENCHMARKS = {
     "extraction": ("lmfs.benchmarks.extraction", "main", "WARC reading, HTML extraction, language id vs warcio/resiliparse/trafilatura/py3langid"),
     "dedup": ("lmfs.benchmarks.dedup", "main", "MinHash + LSH docs/s and recall vs datasketch; the 1M-document dedup stage"),
     "evaluation": ("lmfs.benchmarks.evaluation", "main", "multiple-choice log-likelihood: batched vs one at a time vs lm-eval HF"),
+    "grpo": ("lmfs.benchmarks.grpo", "main", "GRPO step: useful generation share; samples/s vs TRL's GRPOTrainer"),
 }
 
 

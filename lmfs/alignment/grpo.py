@@ -1,0 +1,523 @@
+"""The full GRPO trainer: rollouts through the inference engine, rewards, reference, update.
+
+One step of :class:`GRPOTrainer` (Shao et al. 2024, DeepSeekMath; the loss variants of Dr. GRPO,
+Liu et al. 2025) runs five phases, each timed on its own:
+
+1. **rollout**: ``prompts_per_step`` problems, each asked ``group_size`` times, are answered by
+   :class:`lmfs.inference.LLM` (continuous batching over a paged KV cache; the group's copies of a
+   prompt share its full KV blocks). The engine returns the sampled tokens and their log-probs.
+2. **reward**: ``reward_fn(problem, response_text)`` per response, turned into group-normalised
+   advantages (:func:`lmfs.alignment.pg.group_advantages`); the padded micro-batches are built. The true checker
+   (:func:`lmfs.alignment.tasks.check_answer`) is also recorded as ``accuracy``, so a reward that
+   can be gamed shows up as reward rising while accuracy does not.
+3. **reference**: with a KL penalty, the frozen reference model's log-probs of the same tokens.
+4. **old log-probs**: with several epochs per rollout batch, the policy's log-probs before any
+   update (the denominator of the importance ratio); with one epoch they are the current log-probs
+   detached, so this phase costs nothing.
+5. **update**: ``epochs_per_batch`` optimizer steps over the rollout batch, each accumulating the
+   gradient over micro-batches of ``micro_batch_size`` sequences.
+
+Sequences are ``prompt + response``; the loss mask is True on the positions that predict a response
+token (the end-of-turn token included), so prompt tokens carry no loss. Bad input has defined
+behaviour: a group of one is refused (it has no baseline), groups with equal rewards get zero
+advantages, a response with no tokens contributes nothing, and a prompt that does not fit the
+context is left out with a warning; a non-finite loss stops training with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lmfs.alignment.pg import (AGGREGATIONS, KL_ESTIMATORS, PG_LOSSES, aggregate, clip_fraction, group_advantages,
+                               kl_estimate, pg_loss)
+from lmfs.alignment.sft import format_prompt, response_logprobs
+from lmfs.alignment.tasks import check_answer
+from lmfs.eval import Interval, bootstrap_ci, pass_at_k
+from lmfs.inference import LLM, SamplingParams
+from lmfs.optim import AdamW, clip_grad_norm
+from lmfs.train import load_checkpoint, resolve_autocast, restore_rng_state, save_checkpoint
+
+PHASES = ("rollout", "reward", "reference", "old_logprob", "update")
+
+
+@dataclass
+class GRPOConfig:
+    """How to run GRPO. Invalid values raise ``ValueError`` naming every problem.
+
+    ``group_size`` answers per prompt (≥ 2: the group's mean is the baseline); ``prompts_per_step``
+    prompts per rollout batch, so a step has ``group_size · prompts_per_step`` sequences;
+    ``loss`` one of :data:`~lmfs.alignment.pg.PG_LOSSES`; ``aggregation`` how per-token losses become one number
+    (``"constant"``: Dr. GRPO's sum over tokens divided by ``max_new_tokens``); ``kl_coef`` the
+    weight of the per-token KL estimate ``kl_estimator`` to the reference (0: no reference model
+    runs); ``epochs_per_batch`` optimizer steps per rollout batch (each over the whole batch);
+    ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
+    and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
+    (0: never), with ``eval_samples`` answers per problem.
+    """
+
+    group_size: int = 8
+    prompts_per_step: int = 16
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    lr: float = 1e-5
+    epochs_per_batch: int = 1
+    micro_batch_size: int = 32
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    loss: str = "grpo_clip"
+    normalize_std: bool = True
+    aggregation: str = "sequence_mean"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float | None = 1.0
+    eval_every: int = 0
+    eval_samples: int = 4
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    max_batch_size: int = 512            # sequences the engine decodes at once
+    compile_rollouts: bool = False       # torch.compile the engine's decode step (CUDA): it pays off
+                                         # in long runs; each trainer's engine compiles anew
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        problems = []
+        if self.group_size < 2:
+            problems.append(f"group_size={self.group_size}: a group of one has no baseline (its advantage is "
+                            "always 0 and nothing is learned); use group_size >= 2")
+        for name in ("prompts_per_step", "max_new_tokens", "epochs_per_batch", "micro_batch_size",
+                     "eval_samples", "checkpoint_every", "max_batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.eval_every < 0:
+            problems.append(f"eval_every={self.eval_every} must be >= 0 (0: never)")
+        if self.temperature <= 0:
+            problems.append(f"temperature={self.temperature} must be > 0: RL samples its answers (greedy "
+                            "answers of a group are all the same, so every advantage would be 0)")
+        if self.lr <= 0 or self.clip <= 0 or self.kl_coef < 0 or self.weight_decay < 0:
+            problems.append(f"need lr > 0, clip > 0, kl_coef >= 0, weight_decay >= 0; got lr={self.lr}, "
+                            f"clip={self.clip}, kl_coef={self.kl_coef}, weight_decay={self.weight_decay}")
+        for name, allowed in (("loss", PG_LOSSES), ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if problems:
+            raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per step: ``prompts_per_step · group_size``."""
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class GRPOHistory:
+    """Per step (``step`` counts steps done: 1, 2, ...): mean ``reward`` (from ``reward_fn``),
+    ``accuracy`` (from :func:`~lmfs.alignment.tasks.check_answer`), per response token the ``kl``
+    to the reference (``k3``, before the update; NaN without a reference) and the ``entropy``,
+    ``loss`` and ``clip_fraction`` (share of response tokens whose clipped loss had no gradient) of
+    the last epoch, mean ``response_length`` in tokens, ``informative_groups`` (share of groups
+    with unequal rewards: the only ones that teach anything), and wall seconds per phase
+    (``rollout_s`` ... ``update_s``). ``eval_step``/``eval_pass1``: the periodic evaluations."""
+
+    step: list[int] = field(default_factory=list)
+    reward: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    clip_fraction: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    response_length: list[float] = field(default_factory=list)
+    informative_groups: list[float] = field(default_factory=list)
+    rollout_s: list[float] = field(default_factory=list)
+    reward_s: list[float] = field(default_factory=list)
+    reference_s: list[float] = field(default_factory=list)
+    old_logprob_s: list[float] = field(default_factory=list)
+    update_s: list[float] = field(default_factory=list)
+    eval_step: list[int] = field(default_factory=list)
+    eval_pass1: list[float] = field(default_factory=list)
+
+    def to_frame(self):
+        """A pandas DataFrame, one row per step (the evaluations merged in where they ran)."""
+        import pandas as pd
+
+        steps = {name: values for name, values in asdict(self).items() if not name.startswith("eval_")}
+        frame = pd.DataFrame(steps)
+        evals = pd.DataFrame({"step": self.eval_step, "eval_pass1": self.eval_pass1})
+        return frame.merge(evals, on="step", how="left")
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Total wall seconds per phase over the run."""
+        return {phase: float(sum(getattr(self, f"{phase}_s"))) for phase in PHASES}
+
+
+@dataclass
+class Evaluation:
+    """pass@k on a set of problems: ``samples`` answers each, ``correct[i]`` of them right for problem
+    ``i``; ``pass_at[k]`` the mean over problems with a bootstrap interval over problems, and
+    ``per_problem[k]`` the per-problem estimates (for a paired comparison of two models)."""
+
+    samples: int
+    correct: list[int]
+    pass_at: dict[int, Interval]
+    per_problem: dict[int, list[float]]
+
+    def __repr__(self) -> str:
+        return ", ".join(f"pass@{k} {ci}" for k, ci in self.pass_at.items()) + f" ({len(self.correct)} problems)"
+
+
+@dataclass
+class Rollout:
+    """One rollout batch of ``N`` sequences (``N = prompts_per_step · group_size``, groups consecutive):
+    token ids of each prompt and response, the response's text (without its closing special token),
+    the log-prob the sampler gave each response token, and per sequence its reward, the true
+    checker's verdict and (after :meth:`GRPOTrainer.score`) its advantage. A request the engine
+    refused has an empty response."""
+
+    problems: list
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    texts: list[str]
+    sampler_logprobs: list[list[float]]
+    rewards: torch.Tensor          # (N,) from reward_fn
+    correct: torch.Tensor          # (N,) from check_answer
+    advantages: torch.Tensor | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batch_tensors(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids (B, L), mask (B, L-1))`` for sequences ``prompt + response``, right-padded with 0.
+
+    ``mask[i, t]`` is True exactly where token ``t + 1`` of sequence ``i`` belongs to its response, so
+    the log-prob the model gives at position ``t`` is that of a response token. A response with no
+    tokens has an all-False row (it contributes nothing to any loss).
+
+    >>> ids, mask = batch_tensors([[5, 6], [7]], [[8, 9], []])
+    >>> ids.tolist(), mask.int().tolist()
+    ([[5, 6, 8, 9], [7, 0, 0, 0]], [[0, 1, 1], [0, 0, 0]])
+    """
+    L = max(max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids)), 2)
+    ids = torch.zeros(len(prompt_ids), L, dtype=torch.long)
+    mask = torch.zeros(len(prompt_ids), L - 1, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        mask[i, len(p) - 1:len(p) - 1 + len(r)] = True
+    return ids.to(device), mask.to(device)
+
+
+class GRPOTrainer:
+    """GRPO on ``train_problems`` (:class:`~lmfs.alignment.tasks.Problem`) with ``reward_fn``.
+
+    ``policy``: the :class:`~lmfs.nn.TransformerLM` to train, in place (pass the *starting* model:
+    a checkpoint in ``config.checkpoint_dir`` is loaded into it, and the reference is copied from it
+    first); ``tokenizer``: with the chat template's special tokens (any special token ends a
+    response); ``reference``: the frozen model of the KL penalty (default: a copy of ``policy`` when
+    ``config.kl_coef > 0``, none otherwise); ``eval_problems``: the held-out set of ``eval_every``.
+    """
+
+    def __init__(self, policy, tokenizer, train_problems: Sequence, reward_fn: Callable = check_answer,
+                 config: GRPOConfig | None = None, reference=None, eval_problems: Sequence | None = None):
+        self.config = config = config or GRPOConfig()
+        self.policy, self.tokenizer, self.reward_fn = policy, tokenizer, reward_fn
+        self.device = next(policy.parameters()).device
+        self.autocast = resolve_autocast("auto", self.device)
+        self.context_length = policy.config.context_length
+        self.problems, self.prompts = self._encode(train_problems, "train_problems")
+        self.eval_problems = list(eval_problems) if eval_problems is not None else None
+        if reference is None and config.kl_coef > 0:
+            reference = copy.deepcopy(policy)
+        if reference is not None:
+            reference.eval().requires_grad_(False)
+        self.reference = reference
+        policy.eval()   # no dropout: the log-probs of the update must be those the sampler used
+        self.optimizer = AdamW(policy.parameters(), lr=config.lr, betas=config.betas,
+                               weight_decay=config.weight_decay)
+        self.stop_ids = tuple(sorted(set(getattr(tokenizer, "special_ids", {}).values())))
+        # The engine holds `policy` itself, not a copy: its forward passes read the parameters' own
+        # storage, so no weights are copied between update and rollout. On a GPU the decode step is
+        # captured in CUDA graphs, whose replays read from the addresses seen at capture; the
+        # updates therefore write *into* the same tensors: lmfs's AdamW (p.addcdiv_, p.mul_) and
+        # load_state_dict (copy_) do, and the graphs stay valid. (Replacing a parameter tensor
+        # would make the engine notice the new addresses and capture its graphs again.)
+        longest = max(len(p) for p in self.prompts)
+        per_seq = min(self.context_length, longest + config.max_new_tokens) + 16
+        self.llm = LLM(policy, tokenizer, max_batch_size=config.max_batch_size,
+                       kv_cache_tokens=config.max_batch_size * per_seq, progress=False,
+                       compile=config.compile_rollouts)
+        self.step = 0
+        self.history = GRPOHistory()
+        self.rollout_stats: dict = {}          # the engine's statistics of the last rollout
+        self.last_rollout: Rollout | None = None
+        self._resume()
+
+    # ------------------------------------------------------------------------------------------
+    # Set-up and checkpoints
+
+    def _encode(self, problems: Sequence, what: str) -> tuple[list, list[list[int]]]:
+        """The problems whose chat-formatted prompt leaves room in the context, and their token ids."""
+        if not problems:
+            raise ValueError(f"{what} is empty: give at least one problem")
+        kept, ids = [], []
+        for p in problems:
+            tokens = self.tokenizer.encode(format_prompt(p.prompt))
+            if len(tokens) < self.context_length:
+                kept.append(p)
+                ids.append(tokens)
+        dropped = len(problems) - len(kept)
+        if not kept:
+            raise ValueError(f"every prompt of {what} is at least context_length={self.context_length} tokens "
+                             "long, leaving no room for an answer: shorten the prompts or use a model with "
+                             "a longer context")
+        if dropped:
+            warnings.warn(f"{dropped} of {len(problems)} prompts in {what} leave no room for an answer in "
+                          f"context_length={self.context_length} tokens; they are left out", stacklevel=3)
+        return kept, ids
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return Path(self.config.checkpoint_dir) / "grpo.pt" if self.config.checkpoint_dir else None
+
+    def _resume(self) -> None:
+        path = self.checkpoint_path
+        if path is None or not path.exists():
+            return
+        ckpt = load_checkpoint(path, self.policy, self.optimizer)
+        stored, current = ckpt["train_config"], asdict(self.config)
+        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "compile_rollouts"}
+        differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
+                     if k not in ignored and stored.get(k) != current[k] and not (
+                         isinstance(current[k], tuple) and list(current[k]) == stored.get(k))]
+        if differing:
+            raise ValueError(f"{path} was written by a run with another GRPOConfig ("
+                             + "; ".join(differing) + "): use the same config, or another checkpoint_dir")
+        self.step = ckpt["step"]
+        self.history = GRPOHistory(**ckpt["extra"]["history"])
+        restore_rng_state(ckpt["rng"])
+        if self.config.progress:
+            print(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> Path:
+        """Write ``grpo.pt`` to ``config.checkpoint_dir`` (atomically: a crash keeps the previous one)."""
+        if self.checkpoint_path is None:
+            raise ValueError("no config.checkpoint_dir: set one to save checkpoints")
+        return save_checkpoint(self.checkpoint_path, self.policy, self.optimizer, self.step, self.config,
+                               extra={"history": asdict(self.history)})
+
+    # ------------------------------------------------------------------------------------------
+    # The phases of a step
+
+    def sample_problems(self, step: int) -> list[int]:
+        """Indices of the problems of ``step``: drawn with a generator seeded by ``(seed, step)``, so a
+        resumed run asks the same questions as one that never stopped."""
+        rng = np.random.default_rng([self.config.seed, step])
+        n = self.config.prompts_per_step
+        return rng.choice(len(self.problems), size=n, replace=n > len(self.problems)).tolist()
+
+    def _sampling(self, max_new_tokens: int | None = None, temperature: float | None = None) -> SamplingParams:
+        c = self.config
+        return SamplingParams(max_tokens=max_new_tokens or c.max_new_tokens,
+                              temperature=c.temperature if temperature is None else temperature,
+                              stop_token_ids=self.stop_ids, logprobs=True)
+
+    def response_text(self, token_ids: Sequence[int]) -> str:
+        """The text of a response, without its closing special token."""
+        ids = list(token_ids)
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+    @torch.no_grad()
+    def rollout(self, indices: Sequence[int]) -> Rollout:
+        """Answer each problem of ``indices`` ``group_size`` times through the engine (phase 1).
+        A request the engine refuses gets an empty response (no tokens, reward 0)."""
+        G = self.config.group_size
+        prompts = [self.prompts[i] for i in indices for _ in range(G)]
+        outputs = self.llm.generate(prompts, self._sampling(), progress=False)
+        self.rollout_stats = dict(self.llm.stats)
+        responses = [o.token_ids if o.finish_reason != "error" else [] for o in outputs]
+        return Rollout(problems=[self.problems[i] for i in indices for _ in range(G)], prompt_ids=prompts,
+                       response_ids=responses, texts=[self.response_text(r) for r in responses],
+                       sampler_logprobs=[o.logprobs or [] for o in outputs],
+                       rewards=torch.zeros(len(prompts)), correct=torch.zeros(len(prompts)))
+
+    def score(self, rollout: Rollout) -> Rollout:
+        """Rewards, the true checker's verdicts and the group-normalised advantages (phase 2)."""
+        rewards, correct = [], []
+        for problem, text, ids in zip(rollout.problems, rollout.texts, rollout.response_ids):
+            r = float(self.reward_fn(problem, text)) if ids else 0.0
+            if not math.isfinite(r):
+                raise ValueError(f"reward_fn returned {r} for the response {text!r}: rewards must be finite")
+            rewards.append(r)
+            correct.append(float(check_answer(problem, text)) if ids else 0.0)
+        rollout.rewards, rollout.correct = torch.tensor(rewards), torch.tensor(correct)
+        rollout.advantages = group_advantages(rollout.rewards, self.config.group_size,
+                                              normalize_std=self.config.normalize_std)
+        return rollout
+
+    def micro_batches(self, rollout: Rollout) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """``(rows, input_ids, mask)`` per micro-batch, each padded only to its own longest sequence."""
+        m, N = self.config.micro_batch_size, len(rollout.prompt_ids)
+        out = []
+        for start in range(0, N, m):
+            rows = slice(start, min(start + m, N))
+            ids, mask = batch_tensors(rollout.prompt_ids[rows], rollout.response_ids[rows], self.device)
+            out.append((rows, ids, mask))
+        return out
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def logprobs_of(self, model, batches) -> list[torch.Tensor]:
+        """``model``'s per-token log-probs ``(b, L-1)`` of every micro-batch (phases 3 and 4)."""
+        out = []
+        for _, ids, mask in batches:
+            with self._autocast():
+                out.append(response_logprobs(model, ids, mask)[0].float())
+        return out
+
+    def _weights(self, batches, total_tokens: int) -> list[float]:
+        """The share of the whole batch's loss each micro-batch carries, so the accumulated gradient
+        equals that of one pass over the batch: its share of sequences (sequence means, Dr. GRPO's
+        constant) or of response tokens (token mean)."""
+        how = self.config.aggregation
+        if how == "token_mean":
+            return [mask.sum().item() / max(total_tokens, 1) for _, _, mask in batches]
+        if how == "sequence_mean":     # the mean runs over responses that have tokens
+            counts = [mask.any(dim=1).sum().item() for _, _, mask in batches]
+        else:                          # "constant": over every response
+            counts = [ids.shape[0] for _, ids, _ in batches]
+        return [n / max(sum(counts), 1) for n in counts]
+
+    def update(self, rollout: Rollout, batches, ref_logps=None, old_logps=None) -> dict:
+        """``epochs_per_batch`` optimizer steps over the rollout batch (phase 5). Returns the last
+        epoch's loss and clip fraction, and the first epoch's entropy and KL to the reference (per
+        response token, measured before any update: the policy that sampled the batch)."""
+        c = self.config
+        total_tokens = int(sum(mask.sum().item() for _, _, mask in batches))
+        weights = self._weights(batches, total_tokens)
+        entropy_sum, kl_sum = 0.0, 0.0
+        for epoch in range(c.epochs_per_batch):
+            loss_sum, clipped = 0.0, 0.0
+            for j, ((rows, ids, mask), w) in enumerate(zip(batches, weights)):
+                with self._autocast():
+                    logp, entropy = response_logprobs(self.policy, ids, mask)
+                logp = logp.float()
+                old = logp.detach() if old_logps is None else old_logps[j]
+                adv = rollout.advantages[rows].to(self.device)
+                per_token = pg_loss(logp, adv, kind=c.loss, old_logp=old, clip=c.clip,
+                                    raw_rewards=rollout.rewards[rows].to(self.device))
+                if ref_logps is not None:
+                    kl = kl_estimate(logp, ref_logps[j], kind=c.kl_estimator)
+                    if c.kl_coef > 0:
+                        per_token = per_token + c.kl_coef * kl
+                    if epoch == 0:
+                        kl_sum += (kl.detach() * mask).sum().item()
+                loss = aggregate(per_token, mask, how=c.aggregation, constant=c.max_new_tokens)
+                (loss * w).backward()
+                loss_sum += loss.item() * w
+                clipped += clip_fraction(logp, old, adv, mask, c.clip).item() * mask.sum().item()
+                if epoch == 0:
+                    entropy_sum += (entropy.detach().float() * mask).sum().item()
+            if not math.isfinite(loss_sum):
+                raise FloatingPointError(f"the GRPO loss is {loss_sum} at step {self.step + 1}: training "
+                                         f"diverged. Lower the learning rate (lr={c.lr:g}) or keep grad_clip on")
+            if c.grad_clip:
+                clip_grad_norm(self.policy.parameters(), c.grad_clip)
+            self.optimizer.step()           # in place: the engine sees the new weights (see __init__)
+            self.optimizer.zero_grad(set_to_none=True)
+        tokens = max(total_tokens, 1)
+        return dict(loss=loss_sum, clip_fraction=clipped / tokens, entropy=entropy_sum / tokens,
+                    kl=kl_sum / tokens if ref_logps is not None else float("nan"))
+
+    def train_step(self) -> dict:
+        """One GRPO step (rollout, reward, reference, old log-probs, update); returns its record."""
+        c, dev, seconds = self.config, self.device, {}
+
+        def phase(name, fn):
+            _sync(dev)
+            start = time.perf_counter()
+            out = fn()
+            _sync(dev)
+            seconds[name] = time.perf_counter() - start
+            return out
+
+        indices = self.sample_problems(self.step)
+        rollout = phase("rollout", lambda: self.rollout(indices))
+        rollout, batches = phase("reward", lambda: (self.score(rollout), self.micro_batches(rollout)))
+        ref = phase("reference", lambda: self.logprobs_of(self.reference, batches) if self.reference else None)
+        old = phase("old_logprob", lambda: self.logprobs_of(self.policy, batches) if c.epochs_per_batch > 1 else None)
+        stats = phase("update", lambda: self.update(rollout, batches, ref, old))
+        grouped = rollout.rewards.view(-1, c.group_size)
+        self.last_rollout = rollout
+        return dict(step=self.step + 1, reward=rollout.rewards.mean().item(), accuracy=rollout.correct.mean().item(),
+                    **stats, response_length=float(np.mean([len(r) for r in rollout.response_ids])),
+                    informative_groups=(grouped.max(1).values > grouped.min(1).values).float().mean().item(),
+                    **{f"{name}_s": seconds[name] for name in PHASES})
+
+    def train(self, steps: int) -> GRPOHistory:
+        """Run until ``steps`` steps are done in all (a resumed trainer continues from its step);
+        returns the history. Checkpoints every ``checkpoint_every`` steps and at the end."""
+        c = self.config
+        bar = tqdm(range(self.step, steps), initial=self.step, total=steps, desc="GRPO", disable=not c.progress)
+        for _ in bar:
+            record = self.train_step()
+            self.step += 1
+            for name, value in record.items():
+                getattr(self.history, name).append(value)
+            bar.set_postfix(reward=f"{record['reward']:.3f}", acc=f"{record['accuracy']:.3f}",
+                            len=f"{record['response_length']:.1f}", refresh=False)
+            if c.eval_every and self.eval_problems and self.step % c.eval_every == 0:
+                result = self.evaluate(self.eval_problems, k=(1,), samples=c.eval_samples)
+                self.history.eval_step.append(self.step)
+                self.history.eval_pass1.append(result.pass_at[1].estimate)
+            if self.checkpoint_path and (self.step % c.checkpoint_every == 0 or self.step == steps):
+                self.save()
+        bar.close()
+        return self.history
+
+    # ------------------------------------------------------------------------------------------
+    # Evaluation
+
+    @torch.no_grad()
+    def evaluate(self, problems: Sequence, k: Sequence[int] = (1, 4), samples: int | None = None,
+                 temperature: float | None = None, max_new_tokens: int | None = None, seed: int = 0) -> Evaluation:
+        """pass@k of the current policy on ``problems``: ``samples`` answers each (default ``max(k)``)
+        sampled at ``temperature`` (default the training one), judged by
+        :func:`~lmfs.alignment.tasks.check_answer`; the unbiased estimator of :func:`lmfs.eval.pass_at_k`
+        per problem and a bootstrap interval over problems. The sampling is seeded with ``seed`` and
+        leaves the training run's random streams as they were."""
+        k = tuple(k)
+        samples = samples or max(k)
+        if max(k) > samples:
+            raise ValueError(f"pass@{max(k)} needs at least {max(k)} samples per problem, got samples={samples}")
+        problems, prompts = self._encode(problems, "problems")
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            outputs = self.llm.generate([p for p in prompts for _ in range(samples)],
+                                        self._sampling(max_new_tokens, temperature), progress=False)
+        correct = []
+        for i, problem in enumerate(problems):
+            outs = outputs[i * samples:(i + 1) * samples]
+            correct.append(int(sum(check_answer(problem, self.response_text(o.token_ids))
+                                   for o in outs if o.finish_reason != "error")))
+        per_problem = {j: [pass_at_k(samples, c, j) for c in correct] for j in k}
+        return Evaluation(samples, correct, {j: bootstrap_ci(v) for j, v in per_problem.items()}, per_problem)

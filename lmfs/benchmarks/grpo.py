@@ -1,0 +1,312 @@
+"""One GRPO step: where its time goes, and lmfs's trainer vs TRL's ``GRPOTrainer``.
+
+    python -m lmfs.benchmarks grpo [--json results/h200/grpo.json] [--tiny] [--steps N] [--no-trl]
+
+Both trainers run the same task (the held-out-free train split of the course's arithmetic problems,
+in the chat template of :mod:`lmfs.alignment.sft`, rewarded by
+:func:`~lmfs.alignment.tasks.check_answer`), the same Llama-shaped model (random weights: the
+time of a step does not depend on what the weights learned; lmfs's copy is exported to
+``LlamaForCausalLM`` with :func:`lmfs.nn.to_hf_llama`, the tokenizer with
+:func:`lmfs.tokenization.hf.hf_tokenizer`), the same batch (``prompts × group_size`` sequences per
+step, one optimizer step per batch, micro-batches of the same size), the same sampling
+(temperature 1, no filters, stopping at ``<|end|>``) and generation limit, no KL penalty, fp32 weights (bf16 autocast on
+CUDA). A random model seldom produces its stop token, so nearly every response runs to the limit
+in both: equal work; the mean response lengths are printed to show it.
+
+(a) **Useful generation share** of a GRPO step: the time of the engine's model passes on real
+    tokens, divided by the step's wall time. Each prefill forward and each decode step (forward and
+    draw, on the device) of :class:`lmfs.inference.LLM` is timed (CUDA events on a GPU, so it is
+    device time; wall time on the CPU) and scaled by ``real rows / computed rows``: decode batches
+    captured in CUDA graphs are padded to a power of two, and padded rows are waste. Not counted
+    as useful: padding, scheduling and the host's waits, detokenising, rewards, the reference and
+    the update. The rollout's share of the step and the useful share of the rollout are printed too.
+    Goal on one H200: ≥ 70%.
+(b) **Samples per second** (sequences per step / seconds per step, after warm-up steps) of lmfs's
+    :class:`~lmfs.alignment.grpo.GRPOTrainer` and of TRL's ``GRPOTrainer`` (which generates with
+    Hugging Face ``generate``: static batches padded to their longest member). Goal: ≥ 2×.
+
+Without a GPU (or with ``--tiny``) a tiny model runs both on the CPU in one run, to exercise the
+code (a test does); those numbers say little about a GPU. When TRL cannot be imported or fails,
+its row says why and lmfs's figures stand alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lmfs.bench import save_json
+
+
+@dataclass(frozen=True)
+class Sizes:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    context_length: int
+    prompts: int          # prompts per step
+    group_size: int       # answers per prompt
+    max_new_tokens: int
+    micro_batch: int      # sequences per forward/backward in the update
+    steps: int            # timed steps (after the warm-up)
+
+
+GPU_SIZES = Sizes(d_model=512, n_layers=8, n_heads=8, context_length=512, prompts=32, group_size=8,
+                  max_new_tokens=256, micro_batch=64, steps=3)
+CPU_SIZES = Sizes(d_model=64, n_layers=2, n_heads=4, context_length=128, prompts=4, group_size=4,
+                  max_new_tokens=24, micro_batch=8, steps=2)
+
+
+def _error(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+
+
+class ForwardTimer:
+    """Times the model forwards of an :class:`~lmfs.inference.LLM` and counts real vs computed rows.
+
+    Wraps the engine's decode step (``_decode_step``: the forward and the draw for every running
+    request, on the device, replayed from a CUDA graph on a GPU) and its prefill forward (the
+    engine module's ``paged_forward`` when called outside a decode step). Only instruments: the
+    engine computes exactly what it would without it.
+    """
+
+    def __init__(self, llm):
+        import lmfs.inference.engine as engine
+
+        if not hasattr(llm, "_decode_step"):
+            raise RuntimeError("lmfs.inference.LLM has no _decode_step to time: update ForwardTimer to the engine")
+        self.llm, self.engine, self.cuda = llm, engine, llm.device.type == "cuda"
+        self.events: list = []
+        self.real_rows = self.computed_rows = 0
+        self._in_decode = False
+        self._decode, self._paged_forward = llm._decode_step, engine.paged_forward
+        llm._decode_step = self._timed_decode
+        engine.paged_forward = self._timed_prefill
+
+    def close(self) -> None:
+        self.engine.paged_forward = self._paged_forward
+        del self.llm._decode_step
+
+    def reset(self) -> None:
+        self.events, self.real_rows, self.computed_rows = [], 0, 0
+
+    def _time(self, fn, *args):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args)
+            end.record()
+            self.events.append((start, end))
+        else:
+            start = time.perf_counter()
+            out = fn(*args)
+            self.events.append(time.perf_counter() - start)
+        return out
+
+    def _timed_decode(self, state, *args):
+        self.real_rows += len(state["rows"])
+        self.computed_rows += state["size"]        # padded to the CUDA graph's batch size
+        self._in_decode = True
+        try:
+            return self._time(self._decode, state, *args)
+        finally:
+            self._in_decode = False
+
+    def _timed_prefill(self, model, cache, batch, *args):
+        if self._in_decode:
+            return self._paged_forward(model, cache, batch, *args)
+        n = batch.tokens.numel()              # packed prompts: no padding rows
+        self.real_rows += n
+        self.computed_rows += n
+        return self._time(self._paged_forward, model, cache, batch, *args)
+
+    def useful_seconds(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            total = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        else:
+            total = sum(self.events)
+        return total * self.real_rows / max(self.computed_rows, 1)
+
+
+def make_setup(sizes: Sizes, device: torch.device):
+    """The tokenizer (bytes + the chat template's special tokens), a random model and the problems."""
+    from lmfs.alignment.sft import SPECIAL_TOKENS
+    from lmfs.alignment.tasks import load_split
+    from lmfs.nn import TransformerConfig, TransformerLM
+    from lmfs.tokenization import Tokenizer
+
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], list(SPECIAL_TOKENS))
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=tok.vocab_size, context_length=sizes.context_length, d_model=sizes.d_model,
+                               n_layers=sizes.n_layers, n_heads=sizes.n_heads)
+    model = TransformerLM(config).to(device)
+    return tok, model, load_split("arithmetic", "train")
+
+
+def run_lmfs(model, tok, problems, sizes: Sizes) -> dict:
+    """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
+    decode step is compiled and captured for each batch size met, one on the CPU)."""
+    from lmfs.alignment.grpo import PHASES, GRPOConfig, GRPOTrainer
+    from lmfs.alignment.sft import end_id
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    config = GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts,
+                        max_new_tokens=sizes.max_new_tokens, micro_batch_size=sizes.micro_batch, lr=1e-6,
+                        progress=False, compile_rollouts=cuda)
+    trainer = GRPOTrainer(model, tok, problems, config=config)
+    trainer.stop_ids = (end_id(tok),)                     # TRL stops at its eos token only: so do we here
+    # The timer goes in before the warm-up, so that the compiled decode step is traced with it in place.
+    timer = ForwardTimer(trainer.llm)
+    try:
+        trainer.train(2 if cuda else 1)                   # warm-up: compilation, CUDA graphs, allocator
+        steps, useful = [], []
+        for _ in range(sizes.steps):
+            timer.reset()
+            start = time.perf_counter()
+            trainer.train(trainer.step + 1)
+            steps.append(time.perf_counter() - start)
+            useful.append(timer.useful_seconds())
+    finally:
+        timer.close()
+    h, n = trainer.history, sizes.steps
+    phases = {p: sum(getattr(h, f"{p}_s")[-n:]) for p in PHASES}
+    total = sum(steps)
+    return dict(samples_per_s=config.batch_size * n / total, seconds_per_step=total / n,
+                useful_generation_share=sum(useful) / total,
+                useful_share_of_rollout=sum(useful) / phases["rollout"],
+                phase_share={p: s / total for p, s in phases.items()},
+                response_length=sum(h.response_length[-n:]) / n)
+
+
+def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
+    """Time ``sizes.steps`` steps of TRL's GRPOTrainer on the same weights, task and batch, after one
+    warm-up step."""
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from lmfs.alignment.sft import END, format_prompt
+    from lmfs.alignment.tasks import check_answer
+    from lmfs.nn import to_hf_llama
+    from lmfs.tokenization.hf import hf_tokenizer
+
+    state, hf_config = to_hf_llama(model)
+    hf_model = LlamaForCausalLM(hf_config).to(device)
+    hf_model.load_state_dict(state)
+    hf_tok = hf_tokenizer(tok)
+    hf_tok.eos_token, hf_tok.pad_token = END, next(iter(tok.special_ids))   # stop at <|end|>, like lmfs
+    hf_model.generation_config.eos_token_id = hf_tok.eos_token_id
+    hf_model.generation_config.pad_token_id = hf_tok.pad_token_id
+    by_prompt = {format_prompt(p.prompt): p for p in problems}
+    data = Dataset.from_list([{"prompt": prompt} for prompt in by_prompt])
+
+    def reward(prompts, completions, **_):
+        return [check_answer(by_prompt[p], c.removesuffix(END)) for p, c in zip(prompts, completions)]
+
+    stamps, lengths = [], []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stamps.append(time.perf_counter())
+
+    batch = sizes.prompts * sizes.group_size
+    with tempfile.TemporaryDirectory() as out:
+        args = TRLConfig(output_dir=out, per_device_train_batch_size=sizes.micro_batch,
+                         gradient_accumulation_steps=batch // sizes.micro_batch, num_generations=sizes.group_size,
+                         max_completion_length=sizes.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+                         learning_rate=1e-6, beta=0.0, loss_type="grpo", max_steps=sizes.steps + 1,
+                         logging_steps=1, report_to="none", save_strategy="no", use_cpu=device.type != "cuda",
+                         bf16=device.type == "cuda", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        trainer = TRLTrainer(model=hf_model, reward_funcs=reward, args=args, train_dataset=data,
+                             processing_class=hf_tok, callbacks=[Stamp()])
+        trainer.remove_callback(PrinterCallback)       # the log of every step (kept for the lengths)
+        trainer.train()
+        for record in trainer.state.log_history:
+            if "completions/mean_length" in record:
+                lengths.append(record["completions/mean_length"])
+    total = stamps[-1] - stamps[0]                      # the first step is the warm-up
+    return dict(samples_per_s=batch * sizes.steps / total, seconds_per_step=total / sizes.steps,
+                response_length=sum(lengths[1:]) / max(len(lengths[1:]), 1) if lengths else None)
+
+
+def run(sizes: Sizes | None = None, device=None, trl: bool = True) -> dict:
+    """Both measurements; prints the table; returns the numbers."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    sizes = sizes or (GPU_SIZES if cuda else CPU_SIZES)
+    if not cuda:
+        print("no CUDA GPU: a tiny model on the CPU, lmfs and TRL in this one run; the goals (useful generation "
+              ">= 70% of a step, >= 2x TRL's samples/s) are for one H200")
+    tok, model, problems = make_setup(sizes, device)
+    result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "sizes": asdict(sizes),
+              "params": model.num_params(), "batch": sizes.prompts * sizes.group_size}
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    result["lmfs"] = run_lmfs(model, tok, problems, sizes)
+    model.load_state_dict(initial)                       # TRL starts from the same weights
+    gc.collect()
+    if not trl:
+        result["trl"] = {"error": "left out (--no-trl)"}
+    else:
+        try:
+            result["trl"] = run_trl(model, tok, problems, sizes, device)
+        except Exception as err:  # TRL missing or refusing: lmfs's figures still stand
+            result["trl"] = {"error": _error(err)}
+    if "error" not in result["trl"]:
+        result["ratio"] = result["lmfs"]["samples_per_s"] / result["trl"]["samples_per_s"]
+    _print(result)
+    return result
+
+
+def _print(result: dict) -> None:
+    import pandas as pd
+
+    s, lm = result["sizes"], result["lmfs"]
+    print(f"\nGRPO step on {result['device']}: {result['params'] / 1e6:.2f} M parameters (d_model {s['d_model']}, "
+          f"{s['n_layers']} layers), {s['prompts']} prompts x {s['group_size']} answers = {result['batch']} sequences, "
+          f"up to {s['max_new_tokens']} new tokens, micro-batch {s['micro_batch']}, {s['steps']} timed steps")
+    rows = [{"trainer": "lmfs", "samples/s": f"{lm['samples_per_s']:.3g}", "s/step": f"{lm['seconds_per_step']:.3g}",
+             "mean response tokens": f"{lm['response_length']:.1f}"}]
+    trl = result["trl"]
+    if "error" in trl:
+        rows.append({"trainer": "TRL", "samples/s": "-", "s/step": "-", "mean response tokens": trl["error"]})
+    else:
+        length = trl["response_length"]
+        rows.append({"trainer": "TRL", "samples/s": f"{trl['samples_per_s']:.3g}",
+                     "s/step": f"{trl['seconds_per_step']:.3g}",
+                     "mean response tokens": "-" if length is None else f"{length:.1f}"})
+    print(pd.DataFrame(rows).to_string(index=False))
+    print("lmfs step time by phase: " + ", ".join(f"{p} {v:.0%}" for p, v in lm["phase_share"].items()))
+    print(f"useful generation: {lm['useful_generation_share']:.0%} of the step "
+          f"({lm['useful_share_of_rollout']:.0%} of the rollout)")
+    if "ratio" in result:
+        print(f"lmfs / TRL samples/s: {result['ratio']:.3g}x")
+    else:
+        print("TRL is unavailable here: only lmfs's figures are reported")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description="GRPO step: useful generation share; lmfs vs TRL's GRPOTrainer "
+                                                 "samples/s")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--tiny", action="store_true", help="the CPU sizes, also on a GPU")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
+    parser.add_argument("--no-trl", action="store_true", help="leave out TRL's GRPOTrainer")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sizes = CPU_SIZES if args.tiny or device.type != "cuda" else GPU_SIZES
+    if args.steps is not None:
+        sizes = Sizes(**{**asdict(sizes), "steps": args.steps})
+    result = run(sizes, device, trl=not args.no_trl)
+    save_json(result, args.json)
+    return result

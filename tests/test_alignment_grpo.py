@@ -1,0 +1,258 @@
+"""lmfs.alignment.grpo: the GRPO trainer's mechanics on a tiny random model (CPU, seconds)."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from lmfs.alignment.grpo import GRPOConfig, GRPOTrainer, batch_tensors
+from lmfs.alignment.pg import kl_estimate
+from lmfs.alignment.sft import SPECIAL_TOKENS, response_logprobs
+from lmfs.alignment.tasks import Problem, arithmetic_problems
+from lmfs.eval import pass_at_k
+from lmfs.nn import TransformerConfig, TransformerLM
+from lmfs.optim import SGD
+from lmfs.tokenization import Tokenizer
+
+CONTEXT = 64
+
+
+def tiny(seed=0):
+    """A byte-level tokenizer with the chat template's special tokens, and a tiny random model."""
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], list(SPECIAL_TOKENS))
+    torch.manual_seed(seed)
+    model = TransformerLM(TransformerConfig(vocab_size=tok.vocab_size, context_length=CONTEXT, d_model=32,
+                                            n_layers=1, n_heads=2))
+    return model, tok
+
+
+def short_problems(n=8):
+    # "What is 3 + 4?" in the chat template is about 40 bytes: room for 16 new tokens in 64
+    return arithmetic_problems(n, digits=1, seed=1)
+
+
+def parity(problem, response):
+    """A reward a random model can earn: whether its response has an odd number of characters."""
+    return float(len(response) % 2)
+
+
+def trainer(model, tok, problems=None, reward_fn=parity, **config):
+    config = dict(dict(group_size=4, prompts_per_step=2, max_new_tokens=8, lr=1e-3, micro_batch_size=8,
+                       progress=False), **config)
+    return GRPOTrainer(model, tok, problems or short_problems(), reward_fn=reward_fn, config=GRPOConfig(**config))
+
+
+def test_batch_tensors_masks_only_response_predictions():
+    ids, mask = batch_tensors([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
+    assert ids.tolist() == [[1, 2, 3, 5, 6], [4, 7, 8, 9, 0]]
+    # position t predicts token t+1: response tokens sit at 3,4 (row 0) and 1,2,3 (row 1)
+    assert mask.int().tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+    ids, mask = batch_tensors([[1, 2]], [[]])          # an empty response: nothing scored
+    assert not mask.any()
+
+
+def test_config_refuses_bad_values_with_reasons():
+    with pytest.raises(ValueError, match="group of one has no baseline"):
+        GRPOConfig(group_size=1)
+    with pytest.raises(ValueError, match="(?s)temperature=0.*loss='ppo'"):
+        GRPOConfig(loss="ppo", temperature=0)
+    assert GRPOConfig(group_size=4, prompts_per_step=3).batch_size == 12
+
+
+def test_rollout_logprobs_match_the_training_forward_after_updates():
+    """The engine generates from the policy's current weights: after an update (in place), the
+    log-probs it reports for its samples equal a fresh forward pass of the updated policy."""
+    model, tok = tiny()
+    tr = trainer(model, tok, lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    tr.train(2)
+    assert any((before[k] - v).abs().max() > 0 for k, v in model.state_dict().items())
+    rollout = tr.score(tr.rollout(tr.sample_problems(5)))
+    batches = tr.micro_batches(rollout)
+    (logp,) = tr.logprobs_of(model, batches)
+    _, _, mask = batches[0]
+    for i, sampled in enumerate(rollout.sampler_logprobs):
+        assert torch.allclose(logp[i][mask[i]], torch.tensor(sampled), atol=1e-4)
+
+
+def test_training_raises_a_learnable_reward():
+    """The sign of the whole loop: a reward for digits in the response (about 4% of a random model's
+    characters) must rise within a dozen steps."""
+    model, tok = tiny()
+
+    def digits(problem, response):
+        return sum(c.isdigit() for c in response) / max(len(response), 1)
+    tr = trainer(model, tok, reward_fn=digits, lr=1e-2, prompts_per_step=4, group_size=8, micro_batch_size=32)
+    reward = tr.train(12).reward
+    assert sum(reward[-3:]) > 2 * sum(reward[:3])
+
+
+def test_accumulated_gradient_equals_one_pass_for_every_aggregation():
+    model, tok = tiny()
+    for how in ("sequence_mean", "token_mean", "constant"):
+        deltas = []
+        for micro in (8, 3):
+            m = copy.deepcopy(model)
+            tr = trainer(m, tok, micro_batch_size=micro, aggregation=how, grad_clip=None, loss="baseline")
+            tr.optimizer = SGD(m.parameters(), lr=1.0)          # the update is then minus the gradient
+            torch.manual_seed(1)
+            rollout = tr.score(tr.rollout(tr.sample_problems(0)))
+            rollout.advantages = torch.linspace(-1, 1, 8)       # some signal whatever the rewards
+            rollout.response_ids[2] = []                        # one empty response: no contribution
+            tr.update(rollout, tr.micro_batches(rollout))
+            deltas.append(torch.cat([(p - q).flatten() for p, q in zip(m.parameters(), model.parameters())]))
+        assert deltas[0].abs().max() > 0
+        torch.testing.assert_close(deltas[1], deltas[0], atol=1e-6, rtol=1e-4, msg=how)
+
+
+def test_equal_rewards_and_empty_responses_give_zero_finite_losses():
+    model, tok = tiny()
+    tr = GRPOTrainer(model, tok, short_problems(), reward_fn=lambda p, r: 1.0,
+                     config=GRPOConfig(group_size=4, prompts_per_step=2, max_new_tokens=8, progress=False))
+    before = copy.deepcopy(model.state_dict())
+    history = tr.train(1)
+    assert history.loss == [0.0] and history.informative_groups == [0.0] and history.reward == [1.0]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # nothing to learn
+    rollout = tr.score(tr.rollout([0, 1]))
+    rollout.response_ids = [[] for _ in rollout.response_ids]                       # every response empty
+    stats = tr.update(rollout, tr.micro_batches(rollout))
+    assert stats["loss"] == 0.0 and not any(math.isnan(v) for k, v in stats.items() if k != "kl")
+
+
+def test_prompts_longer_than_the_context_are_left_out_or_refused():
+    model, tok = tiny()
+    long = Problem("What is " + " + ".join(["1"] * 40) + "?", "40", "arithmetic", 1, {})
+    with pytest.warns(UserWarning, match="1 of 9 prompts.*left out"):
+        tr = trainer(model, tok, short_problems() + [long])
+    assert long not in tr.problems and len(tr.problems) == 8
+    with pytest.raises(ValueError, match="leaving no room for an answer"):
+        trainer(model, tok, [long])
+
+
+def test_kl_to_a_copy_of_the_policy_starts_at_zero_and_grows():
+    model, tok = tiny()
+    tr = trainer(model, tok, kl_coef=0.1, lr=1e-2)
+    assert tr.reference is not None and not any(p.requires_grad for p in tr.reference.parameters())
+    history = tr.train(3)
+    assert history.kl[0] == pytest.approx(0.0, abs=1e-6) and history.kl[-1] > 0
+    assert all(math.isfinite(x) for x in history.loss)
+    assert set(history.phase_seconds()) == {"rollout", "reward", "reference", "old_logprob", "update"}
+    assert history.reference_s[0] > 0 and history.old_logprob_s[0] < history.update_s[0]
+
+
+def test_kl_estimators_against_the_closed_form_on_a_small_vocabulary():
+    torch.manual_seed(0)
+    p, q = torch.softmax(torch.randn(5), 0), torch.softmax(torch.randn(5), 0)
+    exact = (p * (p / q).log()).sum()
+    x = torch.multinomial(p, 200_000, replacement=True)
+    k3 = kl_estimate(p.log()[x], q.log()[x], kind="k3")
+    assert k3.mean().item() == pytest.approx(exact.item(), rel=0.05) and (k3 >= 0).all()
+
+
+def test_several_epochs_use_old_logprobs_and_clip():
+    model, tok = tiny()
+    tr = trainer(model, tok, epochs_per_batch=3, lr=3e-2)
+    history = tr.train(2)
+    assert all(s > 0 for s in history.old_logprob_s)
+    assert all(0 <= c <= 1 for c in history.clip_fraction)
+
+
+def test_resume_after_a_crash_reaches_the_same_step_and_weights(tmp_path):
+    def run(directory, steps, crash_at=None):
+        model, tok = tiny()
+        torch.manual_seed(3)
+        calls = {"n": 0}
+
+        def reward(problem, response):
+            calls["n"] += 1
+            if crash_at is not None and calls["n"] > crash_at * 8:       # 8 responses per step
+                raise KeyboardInterrupt("killed")
+            return parity(problem, response)
+        tr = GRPOTrainer(model, tok, short_problems(), reward_fn=reward, config=GRPOConfig(
+            group_size=4, prompts_per_step=2, max_new_tokens=8, lr=1e-2, progress=False,
+            checkpoint_dir=str(directory), checkpoint_every=1))
+        try:
+            tr.train(steps)
+        except KeyboardInterrupt:
+            pass
+        return tr, model
+
+    straight, model_a = run(tmp_path / "a", 4)
+    crashed, _ = run(tmp_path / "b", 4, crash_at=2)
+    assert crashed.step == 2
+    resumed, model_b = run(tmp_path / "b", 4)
+    assert resumed.step == 4 and resumed.history.step == [1, 2, 3, 4]
+    assert resumed.history.reward == straight.history.reward
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    with pytest.raises(ValueError, match="another GRPOConfig"):
+        GRPOTrainer(*tiny(), short_problems(), config=GRPOConfig(group_size=4, prompts_per_step=2,
+                    max_new_tokens=8, lr=5e-3, checkpoint_dir=str(tmp_path / "a"), progress=False))
+
+
+def test_evaluate_reports_pass_at_k_with_intervals():
+    model, tok = tiny()
+    tr = trainer(model, tok)
+    problems = short_problems(6)
+    result = tr.evaluate(problems, k=(1, 2), samples=3, max_new_tokens=4)
+    assert len(result.correct) == 6 and result.samples == 3
+    for k in (1, 2):
+        want = sum(pass_at_k(3, c, k) for c in result.correct) / 6
+        assert result.pass_at[k].estimate == pytest.approx(want)
+        assert result.pass_at[k].low <= want <= result.pass_at[k].high
+    assert tr.evaluate(problems, k=(1,), samples=3, max_new_tokens=4).correct == result.correct   # seeded
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        tr.evaluate(problems, k=(4,), samples=2)
+
+
+def test_checkers_of_lecture17_accept_right_and_reject_wrong_answers():
+    from lmfs.exercises.lecture17 import check_masked_sequence_loss, check_kl_k3
+
+    def sequence_loss(per_token, mask):
+        m = mask.float()
+        lengths = m.sum(1)
+        per_seq = (per_token * m).sum(1) / lengths.clamp(min=1)
+        return per_seq[lengths > 0].mean() if (lengths > 0).any() else per_token.sum() * 0
+
+    assert check_masked_sequence_loss(sequence_loss) > 0
+    with pytest.raises(AssertionError, match="wrong result"):       # padding counted in the mean
+        check_masked_sequence_loss(lambda x, m: (x * m).sum(1).div(x.shape[1]).mean())
+    assert check_kl_k3(lambda lp, ref: torch.expm1(ref - lp) - (ref - lp)) > 0
+    with pytest.raises(AssertionError, match="wrong result"):       # k3 with the ratio upside down
+        check_kl_k3(lambda lp, ref: torch.expm1(lp - ref) - (lp - ref))
+
+
+def test_benchmark_runs_tiny(tmp_path, capsys):
+    from lmfs.benchmarks.grpo import main
+
+    path = tmp_path / "grpo.json"
+    result = main(["--tiny", "--steps", "1", "--json", str(path)])
+    saved = json.loads(path.read_text())
+    assert saved["lmfs"]["samples_per_s"] > 0 and 0 < saved["lmfs"]["useful_generation_share"] <= 1
+    assert set(saved["lmfs"]["phase_share"]) >= {"rollout", "update"}
+    if "error" not in result["trl"]:
+        assert result["trl"]["samples_per_s"] > 0 and result["ratio"] > 0
+    assert "samples/s" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_cuda_graph_rollouts_follow_in_place_updates():
+    """On a GPU the engine replays CUDA graphs captured over the parameters' storage: after updates
+    (in place, under bf16 autocast) its log-probs must still be those of the updated policy."""
+    model, tok = tiny()
+    model = model.cuda()
+    tr = trainer(model, tok, lr=1e-2, kl_coef=0.1, epochs_per_batch=2)
+    assert tr.llm.cuda_graphs and tr.autocast == torch.bfloat16
+    before = copy.deepcopy(model.state_dict())
+    history = tr.train(3)
+    assert all(math.isfinite(x) for x in history.loss + history.kl)
+    assert any((before[k] - v).abs().max() > 0 for k, v in model.state_dict().items())
+    rollout = tr.rollout(tr.sample_problems(7))
+    for rows, ids, mask in tr.micro_batches(rollout):
+        with torch.no_grad():
+            logp, _ = response_logprobs(model, ids, mask)          # float32, no autocast
+        for i, sampled in enumerate(rollout.sampler_logprobs[rows]):
+            if sampled:
+                torch.testing.assert_close(logp[i][mask[i]], torch.tensor(sampled, device="cuda"), atol=1e-2, rtol=0)
