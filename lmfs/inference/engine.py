@@ -531,7 +531,9 @@ class LLM:
         next_ids, logprobs = sample_scaled(processed, greedy, uniforms)
         self.last_token[rows] = next_ids
         self.positions[rows] += 1
-        self.positions[self.dummy] = 0     # padded rows wrote here: keep the dummy row at position 0
+        # padded rows wrote here: keep the dummy row at position 0 (zero_ on a view, since indexing with
+        # a Python int and assigning a number copies from the host, which a CUDA graph cannot capture)
+        self.positions.narrow(0, self.dummy, 1).zero_()
         return logits, torch.stack([next_ids.double(), logprobs.double()])
 
     def _step_function(self):
@@ -562,7 +564,7 @@ class LLM:
         called directly, or replayed from its CUDA graph (which reads the tables' full width)."""
         B = len(state["rows"])
         if not self.cuda_graphs:
-            return self._run_step(state["rows"], state["padded_temperatures"], uniforms, width)
+            return self._run_step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
         size = state["size"]
         if size not in self._graphs:
             try:
@@ -571,7 +573,7 @@ class LLM:
                 warnings.warn(f"capturing the decode step in a CUDA graph failed, decoding without graphs: {err}",
                               stacklevel=2)
                 self.cuda_graphs = False
-                return self._run_step(state["rows"], state["padded_temperatures"], uniforms, width)
+                return self._run_step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
         graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn = self._graphs[size]
         static_rows.copy_(state["padded_rows"])
         static_temps.copy_(state["padded_temperatures"])
