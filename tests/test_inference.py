@@ -433,3 +433,41 @@ def test_engine_bf16_seeded_gpu():
     b = LLM(model).generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 20 for o in a)
+
+
+class _HostTransfers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the operators that, on a GPU, move data between host and device: a Python number made
+    into a tensor (``scalar_tensor``, ``lift_fresh``: created on the host, then copied over), and a
+    tensor read back (``_local_scalar_dense``: ``.item()``). Inside a CUDA graph capture the first
+    kind fails and the second breaks the capture; on the CPU they run silently, so this catches them
+    before a GPU run does."""
+
+    SUSPECT = ("aten.scalar_tensor", "aten.lift_fresh", "aten._local_scalar_dense")
+
+    def __init__(self):
+        super().__init__()
+        self.found = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.SUSPECT):
+            self.found.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_step_moves_nothing_between_host_and_device(temperature):
+    # The decode step is what a CUDA graph captures (greedy and temperature sampling both run in it).
+    model = tiny()
+    llm = LLM(model, cuda_graphs=False)
+    step, found = llm._step, set()
+
+    def watched(*args, **kwargs):
+        with _HostTransfers() as mode:
+            out = step(*args, **kwargs)
+        found.update(mode.found)
+        return out
+
+    llm._step = watched
+    outs = llm.generate(random_prompts([5, 9, 3]), SamplingParams(max_tokens=6, temperature=temperature, seed=0))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert not found, f"the decode step copies between host and device (fails under CUDA graph capture): {found}"
