@@ -7,7 +7,8 @@ batch shape). Both passes train every run from scratch into their own temporary 
 :func:`lmfs.scaling.sweep.run_sweep`, first with ``workers=1`` (sequential, one process), then with
 ``--workers`` processes sharing the device. Printed: each pass's wall time, the ratio
 concurrent ÷ sequential (the goal on one H200 is ≤ 0.5), and the largest difference between the
-two passes' final losses (the same runs, so the same losses up to GPU non-determinism).
+two passes' final losses (the same runs, so the same losses up to GPU non-determinism), and the
+grid's IsoFLOP minima (:func:`lmfs.scaling.chinchilla.isoflop_method`, as lecture 09 fits them).
 Without a GPU the smoke grid runs, two workers on the CPU's cores: the numbers only exercise the code.
 """
 
@@ -24,7 +25,8 @@ from lmfs.bench import save_json
 from lmfs.env import resolve_scale
 from lmfs.nn import TransformerConfig
 from lmfs.scales import lecture_config
-from lmfs.scaling.sweep import SweepOptions, plan_sweep, run_sweep
+from lmfs.scaling.chinchilla import isoflop_method
+from lmfs.scaling.sweep import SweepOptions, plan_sweep, run_sweep, sweep_frame
 from lmfs.train import prepare_tokens
 
 
@@ -47,6 +49,7 @@ def run(scale: str = "auto", workers: int | None = None, device: str | None = No
                 torch.cuda.synchronize()
             seconds[name] = time.perf_counter() - started
             losses[name] = {r["key"]: r["final_loss"] for r in records}
+            frame = sweep_frame(records)
         print(f"  {name}: {seconds[name]:.1f} s", flush=True)
     sequential, concurrent = seconds.values()
     seq_losses, con_losses = losses.values()
@@ -55,6 +58,12 @@ def run(scale: str = "auto", workers: int | None = None, device: str | None = No
               "options": dataclasses.asdict(options), "budgets": list(cfg.budgets),
               "sequential_s": sequential, "concurrent_s": concurrent, "ratio": concurrent / sequential,
               "max_loss_diff": max(abs(seq_losses[k] - con_losses[k]) for k in seq_losses)}
+    if frame.C.nunique() >= 2:   # the grid's answer, from the concurrent pass's runs (lecture 09 fits the same)
+        iso, profiles = isoflop_method(frame.N, frame.C, frame.loss)
+        result["isoflop"] = {"a": iso.a, "minima": [{"flops": p.C, "n_opt": p.N_opt, "loss": p.loss_opt}
+                                                    for p in profiles]}
+        print("IsoFLOP minima: " + ", ".join(f"N* = {p.N_opt:,.0f} at {p.C:.0e} FLOPs" for p in profiles)
+              + f"; N* ∝ C^{iso.a:.2f}")
     print(f"\nIsoFLOP grid of {len(runs)} runs ({result['steps']:,} steps) on {result['device']}: "
           f"sequential {sequential:.1f} s, {workers} workers {concurrent:.1f} s, "
           f"ratio {result['ratio']:.2f} (goal <= 0.5); max |Δ final loss| {result['max_loss_diff']:.2e}")
