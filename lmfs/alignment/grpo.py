@@ -43,6 +43,7 @@ from lmfs.alignment.pg import (AGGREGATIONS, KL_ESTIMATORS, PG_LOSSES, aggregate
                                kl_estimate, pg_loss)
 from lmfs.alignment.sft import format_prompt, response_logprobs
 from lmfs.alignment.tasks import check_answer
+from lmfs.bench.timing import synchronize
 from lmfs.eval import Interval, bootstrap_ci, pass_at_k
 from lmfs.inference import LLM, SamplingParams
 from lmfs.optim import AdamW, clip_grad_norm
@@ -194,11 +195,6 @@ class Rollout:
     rewards: torch.Tensor          # (N,) from reward_fn
     correct: torch.Tensor          # (N,) from check_answer
     advantages: torch.Tensor | None = None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def batch_tensors(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
@@ -452,10 +448,10 @@ class GRPOTrainer:
         c, dev, seconds = self.config, self.device, {}
 
         def phase(name, fn):
-            _sync(dev)
+            synchronize(dev)
             start = time.perf_counter()
             out = fn()
-            _sync(dev)
+            synchronize(dev)
             seconds[name] = time.perf_counter() - start
             return out
 

@@ -27,6 +27,13 @@ from typing import Callable
 import torch
 
 
+def synchronize(device) -> None:
+    """Wait for the queued work of ``device`` to finish (a no-op off CUDA): call it before reading a
+    wall clock around GPU work."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per call of one function, from :func:`benchmark`."""

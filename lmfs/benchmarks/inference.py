@@ -65,6 +65,7 @@ import torch
 
 from lmfs.bench import save_json
 from lmfs.bench.probes import copy_bandwidth
+from lmfs.bench.timing import synchronize
 from lmfs.inference import kv_bytes_per_token
 from lmfs.inference.quantize import model_weight_bytes
 from lmfs.nn import TransformerConfig, TransformerLM, to_hf_llama
@@ -133,16 +134,11 @@ def request_trace(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     return [(rng.integers(1, vocab_size, int(p)).tolist(), int(o)) for p, o in zip(prompts, outputs)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _wall(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+    synchronize(device)
     started = time.perf_counter()
     fn()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - started
 
 

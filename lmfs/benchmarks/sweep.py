@@ -22,6 +22,7 @@ import time
 import torch
 
 from lmfs.bench import save_json
+from lmfs.bench.timing import synchronize
 from lmfs.env import resolve_scale
 from lmfs.nn import TransformerConfig
 from lmfs.scales import lecture_config
@@ -45,11 +46,9 @@ def run(scale: str = "auto", workers: int | None = None, device: str | None = No
         with tempfile.TemporaryDirectory(prefix="lmfs-sweep-") as folder:
             started = time.perf_counter()
             records = run_sweep(runs, folder, data.train, data.val, options, device, workers=n, progress=False)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             seconds[name] = time.perf_counter() - started
             losses[name] = {r["key"]: r["final_loss"] for r in records}
-            frame = sweep_frame(records)
         print(f"  {name}: {seconds[name]:.1f} s", flush=True)
     sequential, concurrent = seconds.values()
     seq_losses, con_losses = losses.values()
@@ -58,7 +57,8 @@ def run(scale: str = "auto", workers: int | None = None, device: str | None = No
               "options": dataclasses.asdict(options), "budgets": list(cfg.budgets),
               "sequential_s": sequential, "concurrent_s": concurrent, "ratio": concurrent / sequential,
               "max_loss_diff": max(abs(seq_losses[k] - con_losses[k]) for k in seq_losses)}
-    if frame.C.nunique() >= 2:   # the grid's answer, from the concurrent pass's runs (lecture 09 fits the same)
+    frame = sweep_frame(records)   # the concurrent pass's runs: the grid's answer, fitted as lecture 09 does
+    if frame.C.nunique() >= 2:
         iso, profiles = isoflop_method(frame.N, frame.C, frame.loss)
         result["isoflop"] = {"a": iso.a, "minima": [{"flops": p.C, "n_opt": p.N_opt, "loss": p.loss_opt}
                                                     for p in profiles]}

@@ -39,7 +39,7 @@ import triton  # after lmfs itself, which picks Triton's interpreter on a machin
 
 from lmfs.bench import save_json
 from lmfs.bench.probes import copy_bandwidth
-from lmfs.bench.timing import benchmark
+from lmfs.bench.timing import benchmark, synchronize
 from lmfs.kernels import INTERPRET, cuda_toolchain_problem, flash_attention, gelu, gelu_cuda, gelu_torch
 from lmfs.kernels import rms_norm, softmax
 from lmfs.kernels.flash_attention import BACKWARDS, DEFAULT_BACKWARD, autotune_choices
@@ -70,11 +70,6 @@ def _fwd_fwdbwd(fn, inputs, grad_out, device, warmup: int, repeats: int, backwar
 def _fwdbwd(fn, inputs, grad_out, device, warmup: int, repeats: int) -> float:
     """Median seconds of ``fn(*inputs)`` followed by its backward."""
     return benchmark(lambda: torch.autograd.grad(fn(*inputs), inputs, grad_out), warmup, repeats, device).median
-
-
-def _synchronize(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _num(x: float) -> str:
@@ -269,7 +264,7 @@ def run_attention(seq_lens=None, head_dims=None, tokens: int | None = None, head
                     configs.update({name: chosen[name] for name in kernels})
                     del out, grads
                 del expected_grads
-                _synchronize(device)
+                synchronize(device)
                 row["first_calls_s"] = time.perf_counter() - first
                 row["configs"] = configs
                 lmfs_fwd, _ = _fwd_fwdbwd(lambda q, k, v: flash_attention(q, k, v, causal=causal), (q, k, v), do,

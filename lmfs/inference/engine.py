@@ -562,18 +562,16 @@ class LLM:
                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_step` for the running batch, whose longest block table has ``width`` blocks:
         called directly, or replayed from its CUDA graph (which reads the tables' full width)."""
-        B = len(state["rows"])
-        if not self.cuda_graphs:
-            return self._run_step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
-        size = state["size"]
-        if size not in self._graphs:
+        B, size = len(state["rows"]), state["size"]
+        if self.cuda_graphs and size not in self._graphs:
             try:
                 self._graphs[size] = self._capture(size)
             except RuntimeError as err:   # a step that cannot be captured still decodes, only slower
                 warnings.warn(f"capturing the decode step in a CUDA graph failed, decoding without graphs: {err}",
                               stacklevel=2)
                 self.cuda_graphs = False
-                return self._run_step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
+        if not self.cuda_graphs:
+            return self._run_step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
         graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn = self._graphs[size]
         static_rows.copy_(state["padded_rows"])
         static_temps.copy_(state["padded_temperatures"])
