@@ -347,7 +347,9 @@ CONFIGS: dict[str, dict[str, dict]] = {
             decode_context=512,
             warmup=3, reps=10,
             corpus_bytes=4_000_000, vocab_size=1_024,  # ~0.9 M tokens: the target sees each about 5 times
-            target=dict(context_length=512, d_model=512, n_layers=8, n_heads=8),
+            # 16 target layers against 1 draft layer: with both captured in CUDA graphs a step's cost
+            # follows its kernel count, so the draft costs about 1/8 of the target (c in the lecture)
+            target=dict(context_length=512, d_model=512, n_layers=16, n_heads=8),
             draft=dict(context_length=512, d_model=128, n_layers=1, n_heads=2),
             batch_size=32, train_context=256, target_steps=300, draft_steps=300, lr=2e-3, warmup_steps=30,
             eval_batches=8,
@@ -579,7 +581,12 @@ CONFIGS: dict[str, dict[str, dict]] = {
             train_digits=(1, 2), eval_digits=(1,), harder_digits=(2,), eval_problems=24,
             grpo=dict(group_size=4, prompts_per_step=4, max_new_tokens=16, lr=1e-4, micro_batch_size=8,
                       epochs_per_batch=2, kl_coef=0.05, clip=0.2),
-            steps=4, hack_steps=3,          # the run on the true checker; the run on the loose one
+            steps=4,                        # the run on the true checker
+            # reward hacking (section 9): two runs from the SFT model on the harder problems, one on the
+            # loose checker, one on the strict one; overrides of `grpo` (no KL leash, one epoch)
+            hack=dict(prompts_per_step=4, max_new_tokens=24, lr=1e-3, temperature=1.2, kl_coef=0.0,
+                      epochs_per_batch=1),
+            hack_steps=3,
             eval_samples=4, k=(1, 4),       # answers per held-out problem, and the k of pass@k
         ),
         "full": dict(
@@ -588,7 +595,12 @@ CONFIGS: dict[str, dict[str, dict]] = {
             train_digits=(2, 3), eval_digits=(2,), harder_digits=(3,), eval_problems=300,
             grpo=dict(group_size=8, prompts_per_step=64, max_new_tokens=32, lr=1e-4, micro_batch_size=128,
                       epochs_per_batch=2, kl_coef=0.02, clip=0.2),
-            steps=150, hack_steps=50,
+            steps=150,
+            # the hacking runs: 3-digit problems (the SFT model is mostly wrong, so hedging pays), a
+            # higher learning rate and temperature, no KL leash; 32 x 8 rollouts per step
+            hack=dict(prompts_per_step=32, max_new_tokens=48, lr=3e-4, temperature=1.2, kl_coef=0.0,
+                      epochs_per_batch=1),
+            hack_steps=100,
             eval_samples=8, k=(1, 8),
         ),
     },

@@ -31,3 +31,22 @@ def tiny(**overrides) -> TransformerConfig:
 def model_of(config, seed=0) -> TransformerLM:
     torch.manual_seed(seed)
     return TransformerLM(config)
+
+
+class HostTransfers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the operators that, on a GPU, move data between host and device: a Python number made
+    into a tensor (``scalar_tensor``, ``lift_fresh``: created on the host, then copied over), and a
+    tensor read back (``_local_scalar_dense``: ``.item()``). Inside a CUDA graph capture the first
+    kind fails and the second breaks the capture; on the CPU they run silently, so this catches them
+    before a GPU run does."""
+
+    SUSPECT = ("aten.scalar_tensor", "aten.lift_fresh", "aten._local_scalar_dense")
+
+    def __init__(self):
+        super().__init__()
+        self.found = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.SUSPECT):
+            self.found.add(str(func))
+        return func(*args, **(kwargs or {}))

@@ -1,11 +1,12 @@
 """lmfs.inference: caches, cached forwards, sampling and the engine, each against an independent
 reference (the uncached model, lmfs.nn.generate, brute-force filters, dense attention)."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from helpers import DEVICE
+from helpers import DEVICE, HostTransfers
 
 from lmfs.inference import (LLM, BlockAllocator, KVCache, PagedKVCache, SamplingParams, forward_cached,
                             gathered_batch, generate_static, paged_attention_reference, paged_forward,
@@ -368,20 +369,118 @@ def test_weights_changed_in_place_are_used_by_the_next_call():
     assert after == greedy_reference(model, prompts, 8) and after != before
 
 
-def test_failed_compile_falls_back_to_the_plain_step(monkeypatch):
-    def broken_compile(fn, **kw):
-        def run(*args, **kwargs):
-            raise RuntimeError("inductor: no C++ compiler")
-        return run
-    monkeypatch.setattr(torch, "compile", broken_compile)
+def test_failed_capture_falls_back_to_decoding_without_graphs(monkeypatch):
+    """A decode step that cannot be captured in a CUDA graph decodes without graphs, with a warning
+    (the capture is made to fail; on the CPU the plain step then runs as usual)."""
+    def broken_capture(self, size):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(LLM, "_capture", broken_capture)
     model = tiny(n_kv_heads=2)
     prompts = random_prompts([3, 6])
-    llm = LLM(model, compile=True)
-    with pytest.warns(UserWarning, match="decoding without it"):
+    llm = LLM(model)
+    llm.cuda_graphs = True
+    with pytest.warns(UserWarning, match="decoding without graphs"):
         outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
-    assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 5) and llm.compile is False
-    with pytest.raises(ValueError, match="compile"):
-        LLM(model, compile="yes")
+    assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 5)
+    assert llm.cuda_graphs is False and llm.stats["cuda_graphs"] is False
+
+
+def _first_new(tokens, start):
+    """The first token at or after ``start`` that does not occur before it (a stop token met there)."""
+    return next(t for i, t in enumerate(tokens) if i >= start and t not in tokens[:i])
+
+
+def _outputs(llm, prompts, params):
+    return [(o.token_ids, o.finish_reason, o.text, o.logprobs) for o in llm.generate(prompts, params)]
+
+
+def assert_same_outputs(got, expected):
+    """Tokens, finish reasons and texts equal; log-probs close (another batch composition may change
+    their last digits)."""
+    assert [o[:3] for o in got] == [o[:3] for o in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(a[3]), torch.tensor(b[3]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "stop_tokens", "preemption"])
+def test_overlapped_decoding_equals_waiting_for_every_step(case):
+    """Launching step n+1 before reading step n's tokens changes nothing: tokens, log-probs and
+    finish reasons equal those of the engine that waits for every step (overlap=False), with stop
+    tokens found one step late, requests ending by length sitting out, and preemptions."""
+    model = tiny(n_kv_heads=2)
+    prompts = random_prompts([3, 9, 17, 5, 12, 7])
+    lengths = [4, 16, 9, 12, 1, 7]
+    kw = dict(block_size=4)
+    if case == "greedy":
+        params = [SamplingParams(max_tokens=n, temperature=0) for n in lengths]
+    elif case == "seeded":   # in-step draws (temperature only) and host draws (top-k, top-p)
+        params = [SamplingParams(max_tokens=n, temperature=0.9, seed=i, top_k=[None, 20][i % 2],
+                                 top_p=[1.0, 1.0, 0.8][i % 3]) for i, n in enumerate(lengths)]
+    else:
+        # seeded draws (greedy outputs of a random model repeat one token), in the step and after it (top-k)
+        params = [SamplingParams(max_tokens=16, temperature=0.8, seed=i, top_k=[None, 30][i % 2])
+                  for i in range(len(prompts))]
+        free = [o.token_ids for o in LLM(model).generate(prompts, params)]
+        firsts = [1 + 2 * i if case == "stop_tokens" else 8 + i for i in range(len(prompts))]
+        params = [dataclasses.replace(p, stop_token_ids=[_first_new(out, first)]) for p, out, first in
+                  zip(params, free, firsts)]   # a stop token each request meets at a different step
+        if case == "preemption":
+            kw["kv_cache_tokens"] = 40
+    waiting = _outputs(LLM(model, overlap=False, **kw), prompts, params)
+    llm = LLM(model, **kw)
+    assert_same_outputs(_outputs(llm, prompts, params), waiting)
+    assert llm.stats["overlapped_steps"] > 0 and llm.allocator.num_used == 0
+    assert sorted(llm.free_rows) == list(range(llm.max_batch_size))
+    if case == "stop_tokens":
+        assert [len(r[0]) for r in waiting] == [free[i].index(_first_new(free[i], firsts[i])) + 1
+                                                for i in range(len(prompts))]
+        assert llm.stats["decode_tokens"] == sum(len(r[0]) for r in waiting) - len(prompts)   # extra tokens dropped
+    if case == "preemption":
+        assert llm.stats["preemptions"] > 0
+
+
+def test_overlapped_stop_strings_and_streaming_equal_waiting():
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    model = tiny(vocab_size=256)
+    prompts = ["hello", "a much longer prompt", "xy"]
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=i) for i in range(len(prompts))]
+    full = LLM(model, tokenizer=tok).generate(prompts, sampled)
+    params = [dataclasses.replace(p, stop=[o.text[2 + 3 * i:4 + 3 * i]]) for i, (p, o) in enumerate(zip(sampled, full))]
+    engines = LLM(model, tokenizer=tok, overlap=False), LLM(model, tokenizer=tok)
+    waiting, overlapped = (_outputs(llm, prompts, params) for llm in engines)
+    assert_same_outputs(overlapped, waiting)
+    assert {r[1] for r in waiting} == {"stop"} and len({len(r[0]) for r in waiting}) > 1
+    streams = [list(llm.stream(prompts, sampled)) for llm in engines]
+    for i in range(len(prompts)):   # each request's tokens and text pieces in the same order
+        assert [e for e in streams[1] if e[0] == i] == [e for e in streams[0] if e[0] == i]
+        assert "".join(p for j, _, p in streams[1] if j == i) == full[i].text
+
+
+def test_fused_decode_option():
+    """fused_decode: off by default on the CPU; True runs lmfs.kernels.decode.FusedDecode (Triton's
+    interpreter on the CPU) and gives the reference tokens, or, where that module or the model's
+    support is missing, a clear error."""
+    model = tiny(n_kv_heads=2)
+    prompts = random_prompts([3, 7])
+    params = SamplingParams(max_tokens=4, temperature=0)
+    llm = LLM(model)
+    llm.generate(prompts, params)
+    assert llm.stats["fused_decode"] is False and llm.stats["cuda_graphs"] is False
+    with pytest.raises(ValueError, match="fused_decode"):
+        LLM(model, fused_decode="yes")
+    try:
+        from lmfs.kernels.decode import FusedDecode
+    except ImportError:
+        with pytest.raises(ImportError, match="fused_decode"):
+            LLM(model, fused_decode=True)
+        return
+    fused = LLM(model, fused_decode=True)
+    assert [o.token_ids for o in fused.generate(prompts, params)] == greedy_reference(model, prompts, 4)
+    assert fused.stats["fused_decode"] is True
+    mla = tiny(**VARIANTS["mla"])
+    assert FusedDecode.supports(mla) is not None
+    with pytest.raises(ValueError, match="fused_decode"):
+        LLM(mla, fused_decode=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,9 +492,10 @@ def test_cuda_graphs_and_kernel_match_plain_gpu(attention):
     model = tiny(n_kv_heads=2).cuda()
     prompts = random_prompts([3, 9, 17, 5, 12, 30, 1])
     params = SamplingParams(max_tokens=16, temperature=0)
-    plain = LLM(model, cuda_graphs=False, attention="reference").generate(prompts, params)
+    plain = LLM(model, cuda_graphs=False, attention="reference", fused_decode=False).generate(prompts, params)
     for kv in (None, 64):   # 64 tokens: preemptions while graphs replay
-        graphs = LLM(model, cuda_graphs=True, attention=attention, block_size=4, kv_cache_tokens=kv)
+        graphs = LLM(model, cuda_graphs=True, attention=attention, block_size=4, kv_cache_tokens=kv,
+                     fused_decode=False)
         outs = graphs.generate(prompts, params)
         assert graphs._graphs, "no CUDA graph was captured"
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -404,15 +504,16 @@ def test_cuda_graphs_and_kernel_match_plain_gpu(attention):
 
 
 @pytest.mark.gpu
-def test_graphs_and_compile_use_weights_changed_in_place_gpu():
-    """The fastest GPU path (compiled step in CUDA graphs) reads weights updated in place; new weight
-    tensors (a reload) make it capture again."""
+def test_graphs_use_weights_changed_in_place_gpu():
+    """The CUDA graphs (and the fused forward's merged weights, where it runs) read weights updated
+    in place; new weight tensors (a reload) make the engine capture again."""
     model = tiny(n_kv_heads=2).cuda()
     prompts = random_prompts([5, 8, 3])
     params = SamplingParams(max_tokens=10, temperature=0)
-    llm = LLM(model, compile=True)
-    assert llm.cuda_graphs and llm.compile
+    llm = LLM(model)
+    assert llm.cuda_graphs
     assert [o.token_ids for o in llm.generate(prompts, params)] == greedy_reference(model, prompts, 10)
+    assert llm.stats["cuda_graphs"] and llm.stats["decode_device_seconds"] > 0
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -421,7 +522,29 @@ def test_graphs_and_compile_use_weights_changed_in_place_gpu():
         module, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module), attr, torch.nn.Parameter(p.detach().clone() * 1.1))
     assert [o.token_ids for o in llm.generate(prompts, params)] == greedy_reference(model, prompts, 10)
-    assert llm.compile, "the compiled step fell back to the plain one"
+
+
+@pytest.mark.gpu
+def test_overlapped_graphs_equal_waiting_gpu():
+    """On the GPU, where the overlap is real (pinned copies, events): same tokens as waiting for
+    every step, with stop tokens, seeds and preemptions; and with the fused decode forward (on by
+    default where it supports the model) the same greedy tokens."""
+    model = tiny(n_kv_heads=2).cuda()
+    prompts = random_prompts([3, 9, 17, 5, 12, 30, 1])
+    params = [SamplingParams(max_tokens=16, temperature=0.8, seed=i) for i in range(len(prompts))]
+    free = [o.token_ids for o in LLM(model).generate(prompts, params)]
+    params = [dataclasses.replace(p, stop_token_ids=[_first_new(out, 1 + i)]) for i, (p, out) in
+              enumerate(zip(params, free))]
+    for kv in (None, 64):
+        waiting = _outputs(LLM(model, block_size=4, kv_cache_tokens=kv, overlap=False), prompts, params)
+        llm = LLM(model, block_size=4, kv_cache_tokens=kv)
+        assert_same_outputs(_outputs(llm, prompts, params), waiting)
+        assert llm.stats["overlapped_steps"] > 0
+    fused = LLM(model, fused_decode="auto")
+    outs = fused.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 16)
+    from lmfs.kernels.decode import FusedDecode
+    assert fused.stats["fused_decode"] == (FusedDecode.supports(model) is None) and fused.stats["cuda_graphs"]
 
 
 @pytest.mark.gpu
@@ -435,25 +558,6 @@ def test_engine_bf16_seeded_gpu():
     assert all(len(o.token_ids) == 20 for o in a)
 
 
-class _HostTransfers(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the operators that, on a GPU, move data between host and device: a Python number made
-    into a tensor (``scalar_tensor``, ``lift_fresh``: created on the host, then copied over), and a
-    tensor read back (``_local_scalar_dense``: ``.item()``). Inside a CUDA graph capture the first
-    kind fails and the second breaks the capture; on the CPU they run silently, so this catches them
-    before a GPU run does."""
-
-    SUSPECT = ("aten.scalar_tensor", "aten.lift_fresh", "aten._local_scalar_dense")
-
-    def __init__(self):
-        super().__init__()
-        self.found = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith(self.SUSPECT):
-            self.found.add(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_decode_step_moves_nothing_between_host_and_device(temperature):
     # The decode step is what a CUDA graph captures (greedy and temperature sampling both run in it).
@@ -462,7 +566,7 @@ def test_decode_step_moves_nothing_between_host_and_device(temperature):
     step, found = llm._step, set()
 
     def watched(*args, **kwargs):
-        with _HostTransfers() as mode:
+        with HostTransfers() as mode:
             out = step(*args, **kwargs)
         found.update(mode.found)
         return out

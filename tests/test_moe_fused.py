@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import DEVICE, model_of, tiny
 
-from lmfs.kernels.moe import FusedMoE, slot_table, use_fused_moe
+from lmfs.kernels.moe import FusedMoE, _combine, _combine_backward, slot_table, use_fused_moe
 from lmfs.nn.moe import MoE, ROUTERS
 
 D, F_, E = 20, 24, 4
@@ -87,6 +87,57 @@ def test_fused_dispatch_in_float16():
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], atol=5e-2, rtol=3e-2, msg=name)
+
+
+@pytest.mark.parametrize("N", [1, 17, 40])
+def test_fused_dispatch_token_counts_off_the_blocks_with_dropping(N):
+    """Token counts below, between and above the kernels' 16-row blocks, with assignments dropped."""
+    loop, fused = layers(capacity_factor=0.6, n_shared=1)
+    x, ids = inputs(N=N, seed=N)
+    assert_same(run(fused, x, ids), run(loop, x, ids), atol=1e-4)
+    if N > 1:
+        assert int(fused.stats["dropped"]) > 0
+
+
+def combine_reference(y, slot_pos, weight):
+    """``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` by a loop over slots (differentiable)."""
+    out = torch.zeros(slot_pos.shape[0], y.shape[1], device=y.device)
+    for j in range(slot_pos.shape[1]):
+        used = slot_pos[:, j] >= 0
+        out[used] += weight[used, j, None] * y[slot_pos[used, j].long()].float()
+    return out
+
+
+def random_layout(T, slots, D, seed=0):
+    """y (A, D) and a slot table for T tokens: a quarter of the slots empty (-1, weight 0), the
+    used ones a random permutation of the A sorted positions."""
+    g = torch.Generator().manual_seed(seed)
+    used = torch.rand(T, slots, generator=g) > 0.25
+    A = int(used.sum())
+    slot_pos = torch.full((T, slots), -1, dtype=torch.int32)
+    slot_pos[used] = torch.randperm(A, generator=g).int()
+    weight = torch.rand(T, slots, generator=g) * used
+    return torch.randn(A, D, generator=g).to(DEVICE), slot_pos.to(DEVICE), weight.to(DEVICE)
+
+
+@pytest.mark.parametrize("T,slots,D", [(1, 2, 20), (16, 3, 48), (37, 1, 20), (37, 8, 33)])
+def test_combine_kernels_match_a_loop_over_slots(T, slots, D):
+    """The combine and its backward against PyTorch indexing and autograd; T and D on and off the
+    kernels' blocks, empty slots, top-1 up to top-8."""
+    y, slot_pos, weight = random_layout(T, slots, D, seed=T + D)
+    y_ref, w_ref = y.clone().requires_grad_(), weight.clone().requires_grad_()
+    want = combine_reference(y_ref, slot_pos, w_ref)
+    torch.testing.assert_close(_combine(y, slot_pos, weight, torch.float32), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_combine(y, slot_pos, None, torch.float32),
+                               combine_reference(y, slot_pos, (slot_pos >= 0).float()), atol=1e-5, rtol=1e-5)
+
+    dout = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want.backward(dout)
+    dy, dweight = _combine_backward(dout, y, slot_pos, weight, True)
+    torch.testing.assert_close(dy, y_ref.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dweight, w_ref.grad, atol=1e-4, rtol=1e-5)
+    assert (dweight[slot_pos < 0] == 0).all()
+    assert _combine_backward(dout, y, slot_pos, weight, False)[1] is None
 
 
 def test_slot_table_by_hand():

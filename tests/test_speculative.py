@@ -1,4 +1,5 @@
-"""Speculative decoding keeps the target's distribution: closed form, statistical tests, greedy equality.
+"""Speculative decoding keeps the target's distribution: closed form, statistical tests, greedy equality;
+its rounds run on the device without a host transfer, so a CUDA graph can capture them.
 
 The statistical tests use Pearson's chi-square test at a stated false-alarm rate ALPHA = 1e-3: a
 correct sampler fails it with probability 1e-3 for a random seed, and never for the fixed seeds
@@ -11,11 +12,11 @@ import itertools
 
 import pytest
 import torch
-from helpers import model_of, tiny
+from helpers import HostTransfers, model_of, tiny
 
 from lmfs.eval import chi_square_test
-from lmfs.inference.speculative import (acceptance_probability, speculative_generate, speculative_step,
-                                        speculative_step_distribution)
+from lmfs.inference.speculative import (SpeculativeDecoder, acceptance_probability, speculative_generate,
+                                        speculative_step, speculative_step_distribution)
 from lmfs.nn.generate import generate
 
 ALPHA = 1e-3  # false-alarm rate of every chi-square test in this file
@@ -77,6 +78,59 @@ def test_greedy_equals_target_greedy_decoding():
     ids, stats = speculative_generate(target, target, idx, 12, k=3, temperature=0)
     assert torch.equal(ids, generate(target, idx, 12, temperature=0))
     assert stats["acceptance_rate"] == 1.0 and stats["target_calls"] == 3
+
+
+@pytest.mark.parametrize("fields", [dict(attention="mla", kv_latent_dim=8), dict(window=3, n_kv_heads=2),
+                                    dict(positions="learned"), dict(qk_norm=True, attn_softcap=5.0, logit_softcap=3.0),
+                                    dict(moe_experts=4, moe_top_k=2)])
+def test_greedy_equality_for_model_variants(fields):
+    target = model_of(tiny(init_std=0.1, **fields), seed=0).eval()
+    draft = model_of(tiny(n_layers=1, **fields), seed=1).eval()
+    idx = torch.tensor([[5, 9, 2, 7]])
+    ids, stats = speculative_generate(target, draft, idx, 12, k=3, temperature=0)
+    assert torch.equal(ids, generate(target, idx, 12, temperature=0))
+    assert 1 <= stats["tokens_per_target_call"] <= 4
+
+
+def test_decoder_serves_many_prompts_and_plain_decoding():
+    """One decoder, reused: prompts of other lengths (a single token too) give what fresh decoders give,
+    and the plain decoder (no draft, k = 0) is the target's greedy decoding, one token per round."""
+    target, draft = models(vocab_size=50, init_std=0.1)
+    spec = SpeculativeDecoder(target, draft, k=2, max_len=16, temperature=0)
+    plain = SpeculativeDecoder(target, None, k=0, max_len=16, temperature=0)
+    for prompt in ([3], [4, 8, 1, 1, 6], [2, 2]):
+        idx = torch.tensor([prompt])
+        n = 16 - len(prompt)
+        expected = generate(target, idx, n, temperature=0)
+        assert torch.equal(spec.generate(idx, n)[0], expected)
+        ids, stats = plain.generate(idx, n)
+        assert torch.equal(ids, expected) and stats["target_calls"] == n and stats["proposed"] == 0
+    with pytest.raises(ValueError, match="max_len"):
+        spec.generate(torch.tensor([[1, 2]]), 15)
+    with pytest.raises(ValueError, match="k=0"):
+        SpeculativeDecoder(target, draft, k=0)
+    with pytest.raises(ValueError, match="k=2"):
+        SpeculativeDecoder(target, None, k=2)
+
+
+@pytest.mark.parametrize("k, sampling", [(2, dict(temperature=0)), (3, dict(temperature=0.8, top_k=5, top_p=0.9)),
+                                         (0, dict(temperature=1.0))])
+def test_round_moves_nothing_between_host_and_device(k, sampling):
+    # A round is what the CUDA graph captures: a Python number made into a tensor or a value read
+    # back inside it would fail the capture on a GPU (HostTransfers catches both on the CPU).
+    target, draft = models(vocab_size=50, init_std=0.1)
+    decoder = SpeculativeDecoder(target, draft if k else None, k=k, **sampling)
+    round_, found = decoder._round, set()
+
+    def watched():
+        with HostTransfers() as mode:
+            round_()
+        found.update(mode.found)
+
+    decoder._round = watched
+    ids, _ = decoder.generate(torch.tensor([[1, 7, 3]]), 10, torch.Generator().manual_seed(0))
+    assert ids.shape == (1, 13)
+    assert not found, f"a round copies between host and device (fails under CUDA graph capture): {found}"
 
 
 def test_top_k_one_is_greedy_and_seeds_reproduce():
@@ -145,3 +199,34 @@ def test_errors():
         speculative_generate(target, draft, idx, 4, temperature=-1)
     ids, stats = speculative_generate(target, draft, idx, 0)
     assert torch.equal(ids, idx) and stats["target_calls"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the captured rounds give the target's greedy tokens
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_rounds_gpu(dtype):
+    config = dict(vocab_size=97, context_length=64, init_std=0.3)   # the draft is often wrong, not always
+    target = model_of(tiny(**config), seed=0).eval().cuda().to(dtype)
+    draft = model_of(tiny(**config, n_layers=1, d_model=16, n_heads=2), seed=1).eval().cuda().to(dtype)
+    idx = torch.tensor([[5, 9, 2, 7, 11]], device="cuda")
+
+    def run(k, graphs, temperature, seed=0):
+        decoder = SpeculativeDecoder(target, draft if k else None, k=k, temperature=temperature, cuda_graphs=graphs)
+        outs = [decoder.generate(idx, 40, torch.Generator(device="cuda").manual_seed(seed)) for _ in range(2)]
+        assert (decoder.graph is not None) == graphs, "no CUDA graph was captured"
+        assert torch.equal(outs[0][0], outs[1][0])   # the second call replays the graph the first captured
+        return outs[0]
+
+    expected = generate(target, idx, 40, temperature=0)
+    for k in (0, 1, 4):
+        ids, stats = run(k, True, 0.0)
+        # the replayed graph computes what the eager rounds compute; in float32 that is the target's greedy
+        # decoding (in bfloat16 the cached and uncached forwards may round a near tie differently)
+        assert torch.equal(ids, run(k, False, 0.0)[0]), k
+        if dtype == torch.float32:
+            assert torch.equal(ids, expected), k
+        assert k == 0 or stats["accepted"] < stats["proposed"]
+    ids, stats = run(3, True, 1.0)   # sampling: the same draws from the same generator
+    assert torch.equal(ids, run(3, False, 1.0)[0]) and 0 < stats["acceptance_rate"] < 1

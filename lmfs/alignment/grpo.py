@@ -1,21 +1,24 @@
 """The full GRPO trainer: rollouts through the inference engine, rewards, reference, update.
 
 One step of :class:`GRPOTrainer` (Shao et al. 2024, DeepSeekMath; the loss variants of Dr. GRPO,
-Liu et al. 2025) runs five phases, each timed on its own:
+Liu et al. 2025) runs four phases, each timed on its own:
 
 1. **rollout**: ``prompts_per_step`` problems, each asked ``group_size`` times, are answered by
    :class:`lmfs.inference.LLM` (continuous batching over a paged KV cache; the group's copies of a
    prompt share its full KV blocks). The engine returns the sampled tokens and their log-probs.
 2. **reward**: ``reward_fn(problem, response_text)`` per response, turned into group-normalised
-   advantages (:func:`lmfs.alignment.pg.group_advantages`); the padded micro-batches are built. The true checker
+   advantages (:func:`lmfs.alignment.pg.group_advantages`); the padded micro-batches are built
+   (sequences sorted by length, so each micro-batch pads little). The true checker
    (:func:`lmfs.alignment.tasks.check_answer`) is also recorded as ``accuracy``, so a reward that
    can be gamed shows up as reward rising while accuracy does not.
-3. **reference**: with a KL penalty, the frozen reference model's log-probs of the same tokens.
-4. **old log-probs**: with several epochs per rollout batch, the policy's log-probs before any
-   update (the denominator of the importance ratio); with one epoch they are the current log-probs
-   detached, so this phase costs nothing.
-5. **update**: ``epochs_per_batch`` optimizer steps over the rollout batch, each accumulating the
+3. **reference**: with a KL penalty (or a ``reference`` passed in to watch the KL), the frozen
+   reference model's log-probs of the same tokens; with neither, no reference model exists.
+4. **update**: ``epochs_per_batch`` optimizer steps over the rollout batch, each accumulating the
    gradient over micro-batches of ``micro_batch_size`` sequences.
+
+The *old* log-probs (the denominator of the importance ratio) need no forward pass of their own:
+an epoch is one optimizer step, so the whole first epoch runs on the policy that sampled the batch,
+and its log-probs, detached, are the old ones (the ratio is exactly 1 there); later epochs reuse them.
 
 Sequences are ``prompt + response``; the loss mask is True on the positions that predict a response
 token (the end-of-turn token included), so prompt tokens carry no loss. Bad input has defined
@@ -32,7 +35,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +52,7 @@ from lmfs.inference import LLM, SamplingParams
 from lmfs.optim import AdamW, clip_grad_norm
 from lmfs.train import load_checkpoint, resolve_autocast, restore_rng_state, save_checkpoint
 
-PHASES = ("rollout", "reward", "reference", "old_logprob", "update")
+PHASES = ("rollout", "reward", "reference", "update")
 
 
 @dataclass
@@ -88,8 +91,6 @@ class GRPOConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     max_batch_size: int = 512            # sequences the engine decodes at once
-    compile_rollouts: bool = False       # torch.compile the engine's decode step (CUDA): it pays off
-                                         # in long runs; each trainer's engine compiles anew
     seed: int = 0
     progress: bool = True
 
@@ -131,7 +132,7 @@ class GRPOHistory:
     ``loss`` and ``clip_fraction`` (share of response tokens whose clipped loss had no gradient) of
     the last epoch, mean ``response_length`` in tokens, ``informative_groups`` (share of groups
     with unequal rewards: the only ones that teach anything), and wall seconds per phase
-    (``rollout_s`` ... ``update_s``). ``eval_step``/``eval_pass1``: the periodic evaluations."""
+    (``rollout_s`` ... ``update_s``, see :data:`PHASES`). ``eval_step``/``eval_pass1``: the periodic evaluations."""
 
     step: list[int] = field(default_factory=list)
     reward: list[float] = field(default_factory=list)
@@ -145,7 +146,6 @@ class GRPOHistory:
     rollout_s: list[float] = field(default_factory=list)
     reward_s: list[float] = field(default_factory=list)
     reference_s: list[float] = field(default_factory=list)
-    old_logprob_s: list[float] = field(default_factory=list)
     update_s: list[float] = field(default_factory=list)
     eval_step: list[int] = field(default_factory=list)
     eval_pass1: list[float] = field(default_factory=list)
@@ -210,11 +210,13 @@ def batch_tensors(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
     ([[5, 6, 8, 9], [7, 0, 0, 0]], [[0, 1, 1], [0, 0, 0]])
     """
     L = max(max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids)), 2)
-    ids = torch.zeros(len(prompt_ids), L, dtype=torch.long)
-    mask = torch.zeros(len(prompt_ids), L - 1, dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        mask[i, len(p) - 1:len(p) - 1 + len(r)] = True
+    # one tensor from padded Python lists (not a tensor per row), the mask from the lengths
+    ids = torch.tensor([[*p, *r] + [0] * (L - len(p) - len(r)) for p, r in zip(prompt_ids, response_ids)],
+                       dtype=torch.long)
+    start = torch.tensor([len(p) - 1 for p in prompt_ids])[:, None]       # predicts the first response token
+    end = start + torch.tensor([len(r) for r in response_ids])[:, None]
+    t = torch.arange(L - 1)
+    mask = (t >= start) & (t < end)
     return ids.to(device), mask.to(device)
 
 
@@ -225,7 +227,9 @@ class GRPOTrainer:
     a checkpoint in ``config.checkpoint_dir`` is loaded into it, and the reference is copied from it
     first); ``tokenizer``: with the chat template's special tokens (any special token ends a
     response); ``reference``: the frozen model of the KL penalty (default: a copy of ``policy`` when
-    ``config.kl_coef > 0``, none otherwise); ``eval_problems``: the held-out set of ``eval_every``.
+    ``config.kl_coef > 0``; none otherwise: no copy is kept and no reference forward runs. Pass one
+    with ``kl_coef=0`` to record the KL without penalising it); ``eval_problems``: the held-out set
+    of ``eval_every``.
     """
 
     def __init__(self, policy, tokenizer, train_problems: Sequence, reward_fn: Callable = check_answer,
@@ -255,8 +259,7 @@ class GRPOTrainer:
         longest = max(len(p) for p in self.prompts)
         per_seq = min(self.context_length, longest + config.max_new_tokens) + 16
         self.llm = LLM(policy, tokenizer, max_batch_size=config.max_batch_size,
-                       kv_cache_tokens=config.max_batch_size * per_seq, progress=False,
-                       compile=config.compile_rollouts)
+                       kv_cache_tokens=config.max_batch_size * per_seq, progress=False)
         self.step = 0
         self.history = GRPOHistory()
         self.rollout_stats: dict = {}          # the engine's statistics of the last rollout
@@ -296,7 +299,8 @@ class GRPOTrainer:
             return
         ckpt = load_checkpoint(path, self.policy, self.optimizer)
         stored, current = ckpt["train_config"], asdict(self.config)
-        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "compile_rollouts"}
+        # settings that do not change what is trained (settings of older versions are not compared)
+        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir"}
         differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
                      if k not in ignored and stored.get(k) != current[k] and not (
                          isinstance(current[k], tuple) and list(current[k]) == stored.get(k))]
@@ -304,7 +308,8 @@ class GRPOTrainer:
             raise ValueError(f"{path} was written by a run with another GRPOConfig ("
                              + "; ".join(differing) + "): use the same config, or another checkpoint_dir")
         self.step = ckpt["step"]
-        self.history = GRPOHistory(**ckpt["extra"]["history"])
+        known = {f.name for f in fields(GRPOHistory)}     # older versions also timed an "old_logprob" phase
+        self.history = GRPOHistory(**{k: v for k, v in ckpt["extra"]["history"].items() if k in known})
         restore_rng_state(ckpt["rng"])
         if self.config.progress:
             print(f"resumed from {path} at step {self.step}")
@@ -361,19 +366,28 @@ class GRPOTrainer:
             if not math.isfinite(r):
                 raise ValueError(f"reward_fn returned {r} for the response {text!r}: rewards must be finite")
             rewards.append(r)
-            correct.append(float(check_answer(problem, text)) if ids else 0.0)
+            if self.reward_fn is check_answer:        # the reward is the true checker: no second call
+                correct.append(r)
+            else:
+                correct.append(float(check_answer(problem, text)) if ids else 0.0)
         rollout.rewards, rollout.correct = torch.tensor(rewards), torch.tensor(correct)
         rollout.advantages = group_advantages(rollout.rewards, self.config.group_size,
                                               normalize_std=self.config.normalize_std)
         return rollout
 
-    def micro_batches(self, rollout: Rollout) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-        """``(rows, input_ids, mask)`` per micro-batch, each padded only to its own longest sequence."""
-        m, N = self.config.micro_batch_size, len(rollout.prompt_ids)
+    def micro_batches(self, rollout: Rollout) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """``(rows, input_ids, mask)`` per micro-batch of at most ``micro_batch_size`` sequences, ``rows``
+        the indices of its sequences in ``rollout``. The sequences are sorted by length, longest first,
+        so each micro-batch, padded to its own longest sequence, carries little padding (and the first
+        one needs the most memory, so a batch that does not fit fails at once)."""
+        m = self.config.micro_batch_size
+        lengths = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         out = []
-        for start in range(0, N, m):
-            rows = slice(start, min(start + m, N))
-            ids, mask = batch_tensors(rollout.prompt_ids[rows], rollout.response_ids[rows], self.device)
+        for start in range(0, len(order), m):
+            rows = order[start:start + m]
+            ids, mask = batch_tensors([rollout.prompt_ids[i] for i in rows],
+                                      [rollout.response_ids[i] for i in rows], self.device)
             out.append((rows, ids, mask))
         return out
 
@@ -382,69 +396,76 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def logprobs_of(self, model, batches) -> list[torch.Tensor]:
-        """``model``'s per-token log-probs ``(b, L-1)`` of every micro-batch (phases 3 and 4)."""
+        """``model``'s per-token log-probs ``(b, L-1)`` of every micro-batch (phase 3)."""
         out = []
         for _, ids, mask in batches:
             with self._autocast():
                 out.append(response_logprobs(model, ids, mask)[0].float())
         return out
 
-    def _weights(self, batches, total_tokens: int) -> list[float]:
+    def _weights(self, rollout: Rollout, batches) -> list[float]:
         """The share of the whole batch's loss each micro-batch carries, so the accumulated gradient
         equals that of one pass over the batch: its share of sequences (sequence means, Dr. GRPO's
-        constant) or of response tokens (token mean)."""
-        how = self.config.aggregation
+        constant) or of response tokens (token mean). Counted from the token lists on the host."""
+        how, lengths = self.config.aggregation, [len(r) for r in rollout.response_ids]
         if how == "token_mean":
-            return [mask.sum().item() / max(total_tokens, 1) for _, _, mask in batches]
-        if how == "sequence_mean":     # the mean runs over responses that have tokens
-            counts = [mask.any(dim=1).sum().item() for _, _, mask in batches]
+            counts = [sum(lengths[i] for i in rows) for rows, _, _ in batches]
+        elif how == "sequence_mean":   # the mean runs over responses that have tokens
+            counts = [sum(lengths[i] > 0 for i in rows) for rows, _, _ in batches]
         else:                          # "constant": over every response
-            counts = [ids.shape[0] for _, ids, _ in batches]
+            counts = [len(rows) for rows, _, _ in batches]
         return [n / max(sum(counts), 1) for n in counts]
 
-    def update(self, rollout: Rollout, batches, ref_logps=None, old_logps=None) -> dict:
-        """``epochs_per_batch`` optimizer steps over the rollout batch (phase 5). Returns the last
+    def update(self, rollout: Rollout, batches, ref_logps=None) -> dict:
+        """``epochs_per_batch`` optimizer steps over the rollout batch (phase 4). Returns the last
         epoch's loss and clip fraction, and the first epoch's entropy and KL to the reference (per
-        response token, measured before any update: the policy that sampled the batch)."""
+        response token, measured before any update: the policy that sampled the batch).
+
+        The old log-probs come from the first epoch's own forward passes, detached: the optimizer
+        steps only after the whole epoch, so every micro-batch of it sees the sampling policy."""
         c = self.config
-        total_tokens = int(sum(mask.sum().item() for _, _, mask in batches))
-        weights = self._weights(batches, total_tokens)
-        entropy_sum, kl_sum = 0.0, 0.0
+        weights = self._weights(rollout, batches)
+        tokens = max(sum(len(r) for r in rollout.response_ids), 1)
+        advantages = [rollout.advantages[rows].to(self.device) for rows, _, _ in batches]
+        raw_rewards = [rollout.rewards[rows].to(self.device) for rows, _, _ in batches]
+        # Running sums stay on the device: reading each micro-batch's numbers (.item()) would make the
+        # host wait for the GPU every time instead of queueing the next micro-batch's work.
+        zero = torch.zeros((), device=self.device)
+        old_logps, entropy_sum, kl_sum = [], zero, zero
         for epoch in range(c.epochs_per_batch):
-            loss_sum, clipped = 0.0, 0.0
+            loss_sum, clipped = zero, zero
             for j, ((rows, ids, mask), w) in enumerate(zip(batches, weights)):
                 with self._autocast():
                     logp, entropy = response_logprobs(self.policy, ids, mask)
                 logp = logp.float()
-                old = logp.detach() if old_logps is None else old_logps[j]
-                adv = rollout.advantages[rows].to(self.device)
-                per_token = pg_loss(logp, adv, kind=c.loss, old_logp=old, clip=c.clip,
-                                    raw_rewards=rollout.rewards[rows].to(self.device))
+                if epoch == 0:
+                    old_logps.append(logp.detach())
+                    entropy_sum = entropy_sum + (entropy.detach().float() * mask).sum()
+                per_token = pg_loss(logp, advantages[j], kind=c.loss, old_logp=old_logps[j], clip=c.clip,
+                                    raw_rewards=raw_rewards[j])
                 if ref_logps is not None:
                     kl = kl_estimate(logp, ref_logps[j], kind=c.kl_estimator)
                     if c.kl_coef > 0:
                         per_token = per_token + c.kl_coef * kl
                     if epoch == 0:
-                        kl_sum += (kl.detach() * mask).sum().item()
+                        kl_sum = kl_sum + (kl.detach() * mask).sum()
                 loss = aggregate(per_token, mask, how=c.aggregation, constant=c.max_new_tokens)
                 (loss * w).backward()
-                loss_sum += loss.item() * w
-                clipped += clip_fraction(logp, old, adv, mask, c.clip).item() * mask.sum().item()
-                if epoch == 0:
-                    entropy_sum += (entropy.detach().float() * mask).sum().item()
-            if not math.isfinite(loss_sum):
-                raise FloatingPointError(f"the GRPO loss is {loss_sum} at step {self.step + 1}: training "
+                loss_sum = loss_sum + loss.detach() * w
+                clipped = clipped + clip_fraction(logp, old_logps[j], advantages[j], mask, c.clip) * mask.sum()
+            loss_value = loss_sum.item()    # one wait per epoch: a non-finite loss must not reach the weights
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"the GRPO loss is {loss_value} at step {self.step + 1}: training "
                                          f"diverged. Lower the learning rate (lr={c.lr:g}) or keep grad_clip on")
             if c.grad_clip:
                 clip_grad_norm(self.policy.parameters(), c.grad_clip)
             self.optimizer.step()           # in place: the engine sees the new weights (see __init__)
             self.optimizer.zero_grad(set_to_none=True)
-        tokens = max(total_tokens, 1)
-        return dict(loss=loss_sum, clip_fraction=clipped / tokens, entropy=entropy_sum / tokens,
-                    kl=kl_sum / tokens if ref_logps is not None else float("nan"))
+        return dict(loss=loss_value, clip_fraction=clipped.item() / tokens, entropy=entropy_sum.item() / tokens,
+                    kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"))
 
     def train_step(self) -> dict:
-        """One GRPO step (rollout, reward, reference, old log-probs, update); returns its record."""
+        """One GRPO step (rollout, reward, reference, update); returns its record."""
         c, dev, seconds = self.config, self.device, {}
 
         def phase(name, fn):
@@ -459,8 +480,7 @@ class GRPOTrainer:
         rollout = phase("rollout", lambda: self.rollout(indices))
         rollout, batches = phase("reward", lambda: (self.score(rollout), self.micro_batches(rollout)))
         ref = phase("reference", lambda: self.logprobs_of(self.reference, batches) if self.reference else None)
-        old = phase("old_logprob", lambda: self.logprobs_of(self.policy, batches) if c.epochs_per_batch > 1 else None)
-        stats = phase("update", lambda: self.update(rollout, batches, ref, old))
+        stats = phase("update", lambda: self.update(rollout, batches, ref))
         grouped = rollout.rewards.view(-1, c.group_size)
         self.last_rollout = rollout
         return dict(step=self.step + 1, reward=rollout.rewards.mean().item(), accuracy=rollout.correct.mean().item(),

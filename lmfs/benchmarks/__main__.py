@@ -22,6 +22,8 @@ BENCHMARKS = {
                     "all-reduce/all-gather/reduce-scatter bandwidth, 1 MB-1 GB"),
     "data-parallel": ("lmfs.benchmarks.data_parallel", "main", "DDP and FSDP tokens/s and memory vs PyTorch's"),
     "moe": ("lmfs.benchmarks.moe", "main", "MoE layer tokens/s: loop vs grouped matmuls vs HF, and vs dense"),
+    "decode-step": ("lmfs.benchmarks.decode_step", "main",
+                    "one decode step: paged_forward vs FusedDecode in CUDA graphs, ms/step and roofline fraction"),
     "sweep": ("lmfs.benchmarks.sweep", "main", "lecture 09's IsoFLOP grid: sequential vs several runs at once"),
     "inference": ("lmfs.benchmarks.inference", "main", "decode vs HBM roofline and HF generate; trace; paged KV; speculative"),
     "extraction": ("lmfs.benchmarks.extraction", "main", "WARC reading, HTML extraction, language id vs warcio/resiliparse/trafilatura/py3langid"),

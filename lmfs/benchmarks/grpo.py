@@ -8,10 +8,12 @@ in the chat template of :mod:`lmfs.alignment.sft`, rewarded by
 time of a step does not depend on what the weights learned; lmfs's copy is exported to
 ``LlamaForCausalLM`` with :func:`lmfs.nn.to_hf_llama`, the tokenizer with
 :func:`lmfs.tokenization.hf.hf_tokenizer`), the same batch (``prompts × group_size`` sequences per
-step, one optimizer step per batch, micro-batches of the same size), the same sampling
-(temperature 1, no filters, stopping at ``<|end|>``) and generation limit, no KL penalty, fp32 weights (bf16 autocast on
-CUDA). A random model seldom produces its stop token, so nearly every response runs to the limit
-in both: equal work; the mean response lengths are printed to show it.
+step, all generated at once and then used for one optimizer step, micro-batches of the same size in
+the update), the same sampling (temperature 1, no filters, stopping at ``<|end|>`` only) and
+generation limit, no KL penalty (so neither runs a reference model), one epoch per batch (so neither
+needs old log-probs), fp32 weights (bf16 autocast on CUDA). A random model seldom produces its stop
+token, so nearly every response runs to the limit in both: equal work; the mean response lengths
+are printed to show it. The engine's flags (CUDA graphs, fused decode) are printed with lmfs's row.
 
 (a) **Useful generation share** of a GRPO step: the time of the engine's model passes on real
     tokens, divided by the step's wall time. Each prefill forward and each decode step (forward and
@@ -152,20 +154,20 @@ def make_setup(sizes: Sizes, device: torch.device):
 
 def run_lmfs(model, tok, problems, sizes: Sizes) -> dict:
     """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
-    decode step is compiled and captured for each batch size met, one on the CPU)."""
+    decode step is captured in a CUDA graph for each batch size met, one on the CPU)."""
     from lmfs.alignment.grpo import PHASES, GRPOConfig, GRPOTrainer
     from lmfs.alignment.sft import end_id
 
     cuda = next(model.parameters()).device.type == "cuda"
     config = GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts,
                         max_new_tokens=sizes.max_new_tokens, micro_batch_size=sizes.micro_batch, lr=1e-6,
-                        progress=False, compile_rollouts=cuda)
+                        epochs_per_batch=1, kl_coef=0.0, temperature=1.0, progress=False)
     trainer = GRPOTrainer(model, tok, problems, config=config)
     trainer.stop_ids = (end_id(tok),)                     # TRL stops at its eos token only: so do we here
-    # The timer goes in before the warm-up, so that the compiled decode step is traced with it in place.
+    # The timer goes in before the warm-up, so that the CUDA graphs are captured with it in place.
     timer = ForwardTimer(trainer.llm)
     try:
-        trainer.train(2 if cuda else 1)                   # warm-up: compilation, CUDA graphs, allocator
+        trainer.train(2 if cuda else 1)                   # warm-up: CUDA graphs, allocator
         steps, useful = [], []
         for _ in range(sizes.steps):
             timer.reset()
@@ -182,7 +184,9 @@ def run_lmfs(model, tok, problems, sizes: Sizes) -> dict:
                 useful_generation_share=sum(useful) / total,
                 useful_share_of_rollout=sum(useful) / phases["rollout"],
                 phase_share={p: s / total for p, s in phases.items()},
-                response_length=sum(h.response_length[-n:]) / n)
+                response_length=sum(h.response_length[-n:]) / n,
+                # how the engine ran (flags of lmfs.inference.LLM's stats; None where it does not report one)
+                engine={flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")})
 
 
 def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
@@ -286,6 +290,7 @@ def _print(result: dict) -> None:
                      "mean response tokens": "-" if length is None else f"{length:.1f}"})
     print(pd.DataFrame(rows).to_string(index=False))
     print("lmfs step time by phase: " + ", ".join(f"{p} {v:.0%}" for p, v in lm["phase_share"].items()))
+    print("lmfs engine: " + ", ".join(f"{flag} {'-' if on is None else on}" for flag, on in lm["engine"].items()))
     print(f"useful generation: {lm['useful_generation_share']:.0%} of the step "
           f"({lm['useful_share_of_rollout']:.0%} of the rollout)")
     if "ratio" in result:

@@ -9,7 +9,8 @@ parameters. Hugging Face gets the same weights as ``LlamaForCausalLM`` (:func:`l
 SDPA attention). Four parts, chosen with ``--parts`` (all by default), each on its own: a peer
 that fails prints an error row and the rest goes on. Every row is printed as soon as it is
 measured, and with ``--json`` the file is rewritten after every part, so a run cut short keeps
-what it measured. On an H200 all four parts take about 6-8 minutes:
+what it measured. On an H200 the four parts take at most about 14 minutes, up to 8 of them
+Hugging Face's static batches in part b (their budget, below):
 
 a. **Batch-1 decode.** Greedy decoding of one request (prompt 128 tokens, 256 new tokens). Decode
    tokens/s = ``N / (t(N + 1) - t(1))``, where ``t(n)`` is the median wall time of a ``generate``
@@ -18,29 +19,34 @@ a. **Batch-1 decode.** Greedy decoding of one request (prompt 128 tokens, 256 ne
    measured copy bandwidth ``bw`` (:func:`lmfs.bench.probes.copy_bandwidth`, a device-to-device
    copy: read and write counted) no implementation can beat ``bw / (weight bytes + KV bytes per
    token × mean context)`` tokens/s. Peers: the lmfs engine (:class:`lmfs.inference.LLM`: its
-   decode step compiled and captured in CUDA graphs on a GPU) and Hugging Face ``generate`` with
+   decode step captured in CUDA graphs on a GPU, overlapped with the host's work, through the
+   fused decode forward where it supports the model; each engine row prints which of these ran,
+   and the device seconds of its decode steps against their wall seconds) and Hugging Face ``generate`` with
    a static cache (which ``generate`` compiles with ``torch.compile`` on a GPU: its fastest
    setting) and, on the CPU only, with its default dynamic cache (eager; on an H200 it ran 6×
    slower than the static cache, so the GPU run leaves it out to save time); the faster counts.
-   The engine is built once for this part and the next (its compilation and CUDA graphs, made
-   on first use, are not timed).
+   The engine is built once for this part and the next (its CUDA graphs, captured on first use,
+   are not timed).
 b. **Throughput on a request trace.** 512 requests, seeded: prompt lengths uniform in 128-1024,
    output lengths uniform in 64-512, EOS ignored (each request produces exactly its length). The
    engine gets all requests at once (continuous batching over a paged KV cache). Hugging Face runs
    static batches with left padding: a batch lasts as long as its longest output, and only the
    tokens each request asked for count. To bound the time, each batch size tried runs **one batch**
-   (the trace's first B requests) and its useful tokens/s stands for the whole trace; the best
-   batch size counts. Batch sizes are tried smallest first while the time spent on them, plus
-   the last one's time again (a larger batch takes at least as long), stays within a budget.
+   (the trace's first B requests) and its useful tokens/s stands for the whole trace (each row
+   says so); the best batch size counts. Batch sizes are tried smallest first while the time
+   spent on them, plus the last one's time again (a larger batch takes at least as long), stays
+   within a budget: on a GPU 8 minutes, so that batches of 128 and 256 are measured too and the
+   best batch size is found rather than assumed.
 c. **Paged KV memory.** The engine's KV memory in use (whole blocks) ÷ the bytes of the tokens
    actually cached, averaged over the decode steps of the trace (from ``llm.stats``); measured by
    the engine's trace run (alone, without the Hugging Face rows, when ``trace`` is not asked for).
 d. **Speculative decoding at batch 1.** Lecture 10's target and smaller draft (its full-scale sizes
    from :func:`lmfs.scales.lecture_config`), both trained here for a few hundred steps on the same
    tokens of the generated stories corpus (:func:`lmfs.train.prepare_tokens`), then
-   :func:`lmfs.inference.speculative.speculative_generate` against plain decoding of the target
-   through the same cached forward (:func:`lmfs.inference.forward_cached`), sampling at
-   temperature 1: tokens/s ratio and acceptance rate for a few draft lengths ``k``. Next to the
+   :class:`lmfs.inference.SpeculativeDecoder` (a whole round, ``k`` draft steps, the target's check
+   and the acceptance rule, replayed from one CUDA graph) against plain decoding of the target
+   through the same decoder without a draft (``k = 0``), sampling at temperature 1: tokens/s ratio
+   and acceptance rate (over the drafts the target checked) for a few draft lengths ``k``. Next to the
    measured speed-up it prints the one predicted from the acceptance rate ``α`` and the draft's
    cost per token relative to the target's, ``c`` (both decoding alone):
    ``(1 − α^(k+1)) / ((1 − α)(k·c + 1))`` (Leviathan et al.): the speed-up is bounded by how
@@ -93,7 +99,7 @@ class Sizes:
 
 GPU_SIZES = Sizes(decode_prompt=128, decode_tokens=256, repeats=3, trace_requests=512,
                   prompt_range=(128, 1024), output_range=(64, 512), hf_batch_sizes=(32, 64, 128, 256),
-                  hf_seconds=120.0, scale="full")
+                  hf_seconds=480.0, scale="full")
 CPU_SIZES = Sizes(decode_prompt=8, decode_tokens=8, repeats=2, trace_requests=12,
                   prompt_range=(4, 24), output_range=(2, 12), hf_batch_sizes=(2, 4), hf_seconds=20.0,
                   scale="smoke")
@@ -215,7 +221,7 @@ def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: 
 
         rate = decode_rate(generate, sizes.decode_tokens, sizes.repeats, device)
         greedy["lmfs"] = list(generate(sizes.decode_tokens))
-        return {"tokens_per_s": rate, "of_roofline": rate / roofline}
+        return {"tokens_per_s": rate, "of_roofline": rate / roofline, **engine_flags(llm.stats)}
 
     _peer(rows, "lmfs engine", lmfs_engine)
     _free(device)
@@ -286,7 +292,7 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
         result["paged_kv"] = paged_memory(llm.stats)  # the statistics of the last generate call
         print(f"  paged KV in use / cached bytes: {result['paged_kv']['kv_in_use_over_cached']:.3f} "
               f"({result['paged_kv']['preemptions']} preemptions)", flush=True)
-        return {"seconds": seconds, "tokens_per_s": useful / seconds}
+        return {"seconds": seconds, "tokens_per_s": useful / seconds, **engine_flags(llm.stats)}
 
     _peer(rows, "lmfs engine", lmfs_engine)
     _free(device)
@@ -329,7 +335,20 @@ def _hf_batch(model: TransformerLM, requests: list[tuple[list[int], int]], devic
     del hf
     useful = sum(o for _, o in requests)
     return {"seconds": seconds, "tokens_per_s": useful / seconds,
-            "padding_waste": 1 - useful / (len(requests) * longest)}
+            "padding_waste": 1 - useful / (len(requests) * longest),
+            "method": f"measured: one batch of the trace's first {len(requests)} requests, "
+                      "its tokens/s stands for the trace"}
+
+
+def engine_flags(stats: dict) -> dict:
+    """How the engine's last ``generate`` decoded (``llm.stats``): CUDA graphs, the fused decode
+    forward, steps overlapped with the host's work, and the device seconds of its decode steps
+    against their wall seconds (the rest: the device waiting for the host)."""
+    out = {k: stats[k] for k in ("cuda_graphs", "fused_decode")}
+    out["overlapped_steps"] = f"{stats['overlapped_steps']}/{stats['decode_steps']}"
+    if stats["decode_device_seconds"] is not None and stats["decode_seconds"] > 0:
+        out["decode_device_over_wall"] = stats["decode_device_seconds"] / stats["decode_seconds"]
+    return out
 
 
 def warm_up(llm) -> None:
@@ -375,24 +394,31 @@ def train_pair(cfg, device: torch.device, seed: int = 0):
 
 
 def speculative(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
-    from lmfs.inference import SamplingParams, generate_static
-    from lmfs.inference.speculative import speculative_generate
+    """Speculative decoding of lecture 10's trained pair against plain decoding of the target, both
+    through :class:`~lmfs.inference.speculative.SpeculativeDecoder` (plain: no draft, ``k = 0``), so
+    both run on the same captured steps; each decoder is built once and warmed up (its graph
+    captured) before it is timed. ``c``: the draft's plain decoding time over the target's."""
+    from lmfs.inference.speculative import SpeculativeDecoder
 
     cfg = lecture_config("10", sizes.scale)
     target, draft, tokens = train_pair(cfg, device)
     target, draft = target.to(dtype), draft.to(dtype)
     prompt = torch.from_numpy(np.asarray(tokens.val[:16], dtype=np.int64))[None].to(device)
     n, temperature = cfg.spec_tokens, 1.0
+    max_len = prompt.shape[1] + n
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
 
-    def plain_decode(model, tokens):  # one model alone, through the same contiguous cache and cached forward
-        return generate_static(model, prompt.tolist(), SamplingParams(max_tokens=tokens, temperature=temperature))
+    def timed(decoder) -> tuple[float, list[dict]]:
+        """Median seconds of ``n`` new tokens over 3 calls, and each call's stats."""
+        decoder.generate(prompt, 8, gen)  # warm-up: captures the graph on a GPU
+        stats = []
+        seconds = statistics.median(_wall(lambda: stats.append(decoder.generate(prompt, n, gen)[1]), device)
+                                    for _ in range(3))
+        return seconds, stats
 
-    seconds = {}
-    for name, model in (("target", target), ("draft", draft)):
-        plain_decode(model, 8)  # warm-up
-        seconds[name] = statistics.median(_wall(lambda: plain_decode(model, n), device) for _ in range(3))
+    seconds = {name: timed(SpeculativeDecoder(model, None, k=0, max_len=max_len, temperature=temperature))[0]
+               for name, model in (("target", target), ("draft", draft))}
     plain, cost = seconds["target"], seconds["draft"] / seconds["target"]
     out = {"target_params": target.num_params(), "draft_params": draft.num_params(),
            "plain_tokens_per_s": n / plain, "draft_cost_ratio": cost, "rows": {}}
@@ -400,15 +426,10 @@ def speculative(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
           f"(draft cost per token c = {cost:.2f} of the target's)")
     for k in cfg.spec_k:
         def run_k(k=k):
-            speculative_generate(target, draft, prompt, 8, k=k, temperature=temperature, generator=gen)  # warm-up
-            times, rates = [], []
-            for _ in range(3):
-                result = {}
-                times.append(_wall(lambda: result.update(out=speculative_generate(
-                    target, draft, prompt, n, k=k, temperature=temperature, generator=gen)), device))
-                rates.append(result["out"][1]["acceptance_rate"])
-            seconds, alpha = statistics.median(times), float(statistics.mean(rates))
-            return {"tokens_per_s": n / seconds, "speedup": plain / seconds, "acceptance_rate": alpha,
+            t, stats = timed(SpeculativeDecoder(target, draft, k=k, max_len=max_len, temperature=temperature))
+            alpha = float(statistics.mean(s["acceptance_rate"] for s in stats))
+            return {"tokens_per_s": n / t, "speedup": plain / t, "acceptance_rate": alpha,
+                    "tokens_per_target_call": float(statistics.mean(s["tokens_per_target_call"] for s in stats)),
                     "predicted_speedup": predicted_speedup(alpha, k, cost)}
 
         _peer(out["rows"], f"k={k}", run_k)
@@ -470,11 +491,11 @@ def run(device=None, tiny: bool = False, hf: bool = True, parts=PARTS, json_path
     engines = []
 
     def engine():
-        """One engine for the decode and trace parts: its compiled step and CUDA graphs are made once."""
+        """One engine for the decode and trace parts: its CUDA graphs are captured once."""
         from lmfs.inference import LLM
 
         if not engines:
-            engines.append(LLM(model, progress=False, compile=cuda))
+            engines.append(LLM(model, progress=False))
         return engines[0]
 
     print(f"model: {result['params'] / 1e9:.3g} B parameters, {result['dtype']} on {result['device']}")

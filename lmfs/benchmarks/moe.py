@@ -31,7 +31,8 @@ count for every MoE implementation. Ratios printed: each fast dispatch ÷ the lo
 ÷ HF (tokens/s), and each MoE's TFLOP/s ÷ the dense layer's. ``max |Δ|`` compares every output
 with the loop's. ``--profile`` adds where the fused layer's time goes: the kernels of a few
 forward+backward steps (:func:`lmfs.bench.timing.profile_table`), the longest first, µs per
-step. Without a GPU a tiny shape runs through Triton's interpreter, to exercise the code; those
+step, with what each of the fused layer's own kernels achieved (TFLOP/s of its matmuls, or GB/s
+moved by the combines) and the tile shapes the autotuner picked for them. Without a GPU a tiny shape runs through Triton's interpreter, to exercise the code; those
 numbers say nothing about real hardware.
 """
 
@@ -48,6 +49,7 @@ from lmfs.bench import save_json
 from lmfs.bench.timing import benchmark, profile_table
 from lmfs.kernels import INTERPRET
 from lmfs.kernels.grouped_gemm import autotune_choices, grouped_matmul, torch_grouped_matmul, torch_grouped_mm
+from lmfs.kernels.moe import autotune_choices as fused_choices
 from lmfs.kernels.moe import use_fused_moe
 from lmfs.nn.layers import GatedMLP
 from lmfs.nn.moe import MoE
@@ -176,14 +178,43 @@ def run(shape: MoEShape | None = None, device=None, warmup: int | None = None, r
     _pick_fastest_hf(result)
     result["ratios"] = _ratios(result["rows"])
     result["configs"] = autotune_choices()
+    result["fused_configs"] = fused_choices()
     if profile and "lmfs fused" in result["rows"]:
         fn, fused_inputs = impls["lmfs fused"]
         table = profile_table(lambda: torch.autograd.grad(fn(), fused_inputs, grad_out), warmup=1 if cuda else 0,
-                              repeats=3 if cuda else 1, row_limit=20)
+                              repeats=3 if cuda else 1, row_limit=25)
+        table["rate"] = [_rate(shape, name, mean_us, x.element_size())
+                         for name, mean_us in zip(table["name"], table["mean_us"])]
         result["profile"] = table.to_dict(orient="records")
         result["profile_where"] = table.attrs["where"]
     _print(result)
     return result
+
+
+def _kernel_work(shape: MoEShape, elem: int) -> dict[str, tuple[str, float]]:
+    """Per launch of each fused-layer kernel: its matmul FLOPs, or for the combine kernels the
+    bytes they move at least (``elem`` bytes an element; no dropping, so A = tokens·k rows)."""
+    A, T, d, w = shape.tokens * shape.top_k, shape.tokens, shape.d_model, shape.width
+    matmul = 2 * A * d * w  # one (A, d) x (d, w) grouped product
+    return {"moe_up_kernel": ("TFLOP/s", 2 * matmul),            # gate and up
+            "moe_up_dx_kernel": ("TFLOP/s", 2 * matmul),         # dg·W_gateᵀ + du·W_upᵀ
+            "moe_down_dx_kernel": ("TFLOP/s", matmul),
+            "grouped_matmul_kernel": ("TFLOP/s", matmul),        # the down projection
+            "grouped_matmul_dw_kernel": ("TFLOP/s", matmul),     # each of the three weight gradients
+            "moe_combine_kernel": ("GB/s", (A + T) * d * elem),  # read y (or dx sorted), write out
+            "moe_combine_bwd_kernel": ("GB/s", (T + 2 * A) * d * elem)}  # read dout and y, write dy
+
+
+def _rate(shape: MoEShape, name: str, mean_us: float, elem: int) -> str:
+    """What a profiled kernel achieved per launch ('' for kernels not in :func:`_kernel_work`).
+    Matched by prefix, the longest first: some Triton versions append a signature to the name."""
+    work = _kernel_work(shape, elem)
+    key = next((k for k in sorted(work, key=len, reverse=True) if name.startswith(k)), None)
+    if key is None or not mean_us:
+        return ""
+    unit, work = work[key]
+    per_s = work / (mean_us * 1e-6)
+    return f"{per_s / 1e12:.0f} TFLOP/s" if unit == "TFLOP/s" else f"{per_s / 1e9:,.0f} GB/s"
 
 
 def _hf_impls(shape: MoEShape, moe: MoE, x: torch.Tensor, notes: dict) -> dict:
@@ -246,6 +277,7 @@ def _print(result: dict) -> None:
     for name, note in result["notes"].items():
         print(f"  ({name}: {note})")
     print(f"  grouped_matmul blocks: {result['configs']}")
+    print(f"  fused kernels' blocks: {result['fused_configs']}")
     if "profile" in result:
         print(f"\nprofile of lmfs fused, forward+backward: {result['profile_where']} per step, the longest first")
         print(pd.DataFrame(result["profile"]).to_string(index=False, formatters={

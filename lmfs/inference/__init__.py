@@ -7,7 +7,8 @@
 * :mod:`lmfs.inference.engine`: :class:`LLM` (continuous batching over the paged cache),
   and :func:`generate_static` (batched generation with the contiguous cache: static batching).
 * :mod:`lmfs.inference.quantize`: weight-only int8/int4 group-wise quantisation, AWQ scaling.
-* :mod:`lmfs.inference.speculative`: speculative decoding with a draft model, exact acceptance rule.
+* :mod:`lmfs.inference.speculative`: speculative decoding with a draft model, exact acceptance rule
+  (:class:`SpeculativeDecoder`: whole rounds replayed from a CUDA graph).
 """
 
 from lmfs.inference.engine import LLM, RequestOutput, generate_static
@@ -17,13 +18,13 @@ from lmfs.inference.runner import PagedBatch, forward_cached, gathered_batch, pa
 from lmfs.inference.quantize import (QuantizedWeight, QuantLinear, dequantize_weight, model_weight_bytes,
                                      quantize_model, quantize_weight)
 from lmfs.inference.sampling import SamplingParams, process_logits, sample
-from lmfs.inference.speculative import (acceptance_probability, speculative_generate, speculative_step,
-                                        speculative_step_distribution)
+from lmfs.inference.speculative import (SpeculativeDecoder, acceptance_probability, speculative_generate,
+                                        speculative_step, speculative_step_distribution)
 
 __all__ = [
     "BlockAllocator", "KVCache", "LLM", "RequestOutput", "generate_static", "PagedBatch", "PagedKVCache", "forward_cached", "gathered_batch",
     "kv_bytes_per_token", "paged_attention_reference", "paged_forward", "process_logits", "sample",
     "SamplingParams", "QuantizedWeight", "QuantLinear", "dequantize_weight", "model_weight_bytes", "quantize_model",
     "quantize_weight", "acceptance_probability", "speculative_generate", "speculative_step",
-    "speculative_step_distribution",
+    "speculative_step_distribution", "SpeculativeDecoder",
 ]

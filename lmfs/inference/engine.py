@@ -18,18 +18,27 @@
   samples on the device (greedy and temperature-only requests, the common case; top-k/p, min-p
   and repetition penalties go through :func:`~lmfs.inference.sample` after the forward), advances
   the positions and last tokens there too, and copies one small ``(2, B)`` tensor of ids and
-  log-probs to the host: the step's only sync. What the host does per step is bookkeeping of
-  Python lists (new blocks, finished requests), never a loop over the vocabulary.
+  log-probs to the host. What the host does per step is bookkeeping of Python lists (new blocks,
+  finished requests), never a loop over the vocabulary.
+* **Overlap** (``overlap=True``). Since step ``n + 1`` needs nothing from the host that step ``n``
+  produced (its tokens and positions are already on the device), the engine launches step ``n + 1``
+  *before* it reads step ``n``'s tokens: the ids travel to pinned host memory while the device
+  computes, and the host's bookkeeping of step ``n`` runs during step ``n + 1``. The price: a request
+  that stops on a stop token (or string) at step ``n`` has already been fed to step ``n + 1``; that
+  extra token is dropped (its keys went to the request's own blocks, freed once the step is read).
+  A request ending by length is known ahead and sits the step out. Anything that needs every
+  token on the host first waits for the step in flight: admitting requests (prefill), preempting,
+  repetition penalties (they read the tokens so far) and MLA (whose decode batches are built on
+  the host).
 * **CUDA graphs** (GPU): the whole decode step, forward and sampling, is captured once per padded
   batch size (powers of two; padded rows read and write a dummy row and the scratch block) and
-  replayed, so a step costs one launch instead of a thousand. With ``compile=True`` the step is
-  compiled with ``torch.compile`` before capture, which fuses the many small element-wise kernels
-  of a layer (norms, RoPE, activations, residual adds): at batch 1 those, not the weight reads,
-  dominate the step of an uncompiled graph. Compiling costs about a minute per engine, so it pays
-  for long runs (a benchmark, an RL loop that keeps one engine), not for a quick evaluation.
-  If the weights' storage changes between calls (a new dtype, new tensors), the graphs are
-  captured again; weights updated in place (an optimiser step) are read by the next replay as
-  they are.
+  replayed, so a step costs one launch instead of a thousand. A step that cannot be captured
+  decodes without graphs, with a warning. If the weights' storage changes between calls (a new
+  dtype, new tensors), the graphs are captured again; weights updated in place (an optimiser
+  step) are read by the next replay as they are.
+* **Fused decode forward** (``fused_decode``): decode steps may run
+  :class:`lmfs.kernels.decode.FusedDecode`, the same forward with the q/k/v and gate/up
+  projections merged into one matmul each; prefill always runs :func:`~lmfs.inference.paged_forward`.
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ class _Request:
         self.sent = 0                 # characters of `text` already streamed
         self.row: int | None = None   # row in the engine's device state while running
         self.blocks: list[int] = []
+        self.end = 0                  # the length at which it ends by length (set by the engine)
+        self.device_len = 0           # its length on the device: the tokens read so far plus those in flight
 
     @property
     def tokens(self) -> list[int]:
@@ -159,23 +170,32 @@ class LLM:
     tokens (default: room for ``max_batch_size`` full contexts, capped on a GPU at half its free
     memory, on the CPU at 16 full contexts); ``max_batch_size``: running requests at most;
     ``max_batch_tokens``: prompt tokens per prefill step (a longer prompt runs alone);
-    ``cuda_graphs``: ``"auto"`` (on for CUDA, off on the CPU), True or False; ``compile``:
-    ``torch.compile`` the decode step (module docstring; a compile error falls back to the plain
-    step with a warning); ``attention``:
+    ``cuda_graphs``: ``"auto"`` (on for CUDA, off on the CPU), True or False; ``attention``:
     decode attention, ``"auto"`` (the Triton kernel on CUDA when importable and the model has no
     sliding window or soft-cap, else the reference), ``"triton"`` or ``"reference"``;
-    ``progress``: a progress bar over requests (None: only on a terminal or notebook).
+    ``fused_decode``: ``"auto"`` (:class:`lmfs.kernels.decode.FusedDecode` for decode steps on
+    CUDA when it supports the model), True (required; also on the CPU, where its Triton kernels
+    run in the interpreter) or False (:func:`~lmfs.inference.paged_forward`); ``overlap``: launch
+    each decode step before reading the previous one's tokens (module docstring; False waits for
+    every step, which gives the same outputs); ``progress``: a progress bar over requests (None:
+    only on a terminal or notebook).
 
     ``stats`` (after each call): prefill/decode tokens, seconds and steps, preemptions, prompt
     tokens served from shared prefix blocks, the peak number of KV blocks in use, and KV bytes in
     use vs bytes of the tokens cached, summed over decode steps (``kv_memory_ratio``, their ratio).
     Tokens of a shared block count once per request using it. A sliding-window model keeps the
-    blocks that have left its window (simple, not minimal).
+    blocks that have left its window (simple, not minimal). How decode ran: ``cuda_graphs`` and
+    ``fused_decode`` (whether its steps replayed CUDA graphs, ran the fused forward),
+    ``overlapped_steps`` (steps launched while the one before was still in flight),
+    ``decode_wait_seconds`` (host time spent waiting for a step's tokens: the rest of
+    ``decode_seconds`` is host work) and, on CUDA, ``decode_device_seconds`` (device time of the
+    steps, from CUDA events). ``decode_steps`` counts steps launched, ``decode_tokens`` tokens kept.
     """
 
     def __init__(self, model, tokenizer=None, block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_batch_size: int = 256, max_batch_tokens: int = 4096, cuda_graphs="auto",
-                 attention: str = "auto", progress: bool | None = None, compile: bool = False):
+                 attention: str = "auto", fused_decode="auto", overlap: bool = True,
+                 progress: bool | None = None):
         cfg = model.config
         param = next(model.parameters())
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
@@ -184,7 +204,7 @@ class LLM:
             raise ValueError(f"max_batch_size={max_batch_size} and max_batch_tokens={max_batch_tokens} "
                              "must be positive")
         self.block_size, self.max_batch_size, self.max_batch_tokens = block_size, max_batch_size, max_batch_tokens
-        self.progress = progress
+        self.progress, self.overlap = progress, bool(overlap)
         if kv_cache_tokens is None:
             kv_cache_tokens = self._default_kv_tokens()
         self.cache = PagedKVCache.for_model(model, kv_cache_tokens, block_size)
@@ -202,14 +222,13 @@ class LLM:
 
         self.decode_attention = self._pick_attention(attention)
         self.cuda_graphs = self._pick_graphs(cuda_graphs)
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile={compile!r}: use True or False")
-        self.compile = compile
-        self._step_fn = None                  # the decode step, compiled or not (made on first use)
+        self._fused = self._pick_fused(fused_decode)   # built once: it merges the projections' weights
+        self._decode_forward = paged_forward if self._fused is None else self._fused
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
-        self._weights = None                  # where the weights lived when the graphs were captured
-        self._state = None                    # the running batch's device tensors (_batch_state)
+        self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
+        self._state = None                    # the decode batch's device tensors (_batch_state)
+        self._pending: _Step | None = None    # the decode step in flight, its tokens not read yet
         self.stats = self._empty_stats()
 
     # ------------------------------------------------------------------------------------------
@@ -253,11 +272,34 @@ class LLM:
                              "routing syncs with the host) non-MLA model; use cuda_graphs='auto'")
         return cuda_graphs is not False and self.device.type == "cuda" and capturable
 
+    def _pick_fused(self, fused_decode):
+        """The fused decode forward (:class:`lmfs.kernels.decode.FusedDecode`) for this model, or None."""
+        if fused_decode not in ("auto", True, False):
+            raise ValueError(f"fused_decode={fused_decode!r}: use 'auto', True or False")
+        if fused_decode is False or (fused_decode == "auto" and self.device.type != "cuda"):
+            return None
+        try:
+            from lmfs.kernels.decode import FusedDecode
+        except ImportError as err:
+            if fused_decode is True:
+                raise ImportError(f"fused_decode=True needs lmfs.kernels.decode.FusedDecode, which does not "
+                                  f"import ({err}); use fused_decode='auto' or False") from err
+            return None
+        reason = FusedDecode.supports(self.model)
+        if reason is not None:
+            if fused_decode is True:
+                raise ValueError(f"fused_decode=True: the fused decode forward cannot run this model ({reason}); "
+                                 "use fused_decode='auto' or False")
+            return None
+        return FusedDecode(self.model)
+
     @staticmethod
     def _empty_stats() -> dict:
         return dict(requests=0, prefill_tokens=0, prefill_seconds=0.0, prefill_steps=0, decode_tokens=0,
                     decode_seconds=0.0, decode_steps=0, preemptions=0, shared_prefix_tokens=0,
-                    peak_kv_blocks=0, kv_bytes_in_use=0, kv_bytes_of_tokens=0, kv_memory_ratio=None)
+                    peak_kv_blocks=0, kv_bytes_in_use=0, kv_bytes_of_tokens=0, kv_memory_ratio=None,
+                    cuda_graphs=False, fused_decode=False, overlapped_steps=0, decode_wait_seconds=0.0,
+                    decode_device_seconds=None)
 
     # ------------------------------------------------------------------------------------------
     # Public API
@@ -287,7 +329,9 @@ class LLM:
         token_lists = _as_token_lists(prompts, self.tokenizer)
         requests = [_Request(i, p, sp, self.device)
                     for i, (p, sp) in enumerate(zip(token_lists, _params_list(params, len(token_lists))))]
+        ctx = self.config.context_length
         for r in requests:
+            r.end = min(len(r.prompt) + r.params.max_tokens, ctx)
             r.error = self._problem(r)
             if r.error:
                 r.finish_reason = "error"
@@ -313,39 +357,49 @@ class LLM:
     def _run(self, requests: list[_Request], progress) -> Iterator[tuple[_Request, int]]:
         """Schedule until every request is finished, yielding ``(request, token)`` per new token."""
         from tqdm.auto import tqdm
-        self.stats = self._empty_stats()
+        self.stats = s = self._empty_stats()
+        if self.device.type == "cuda":
+            s["decode_device_seconds"] = 0.0
         self._check_weights()
         self._state = None
-        self.stats["requests"] = len(requests)
+        s["requests"] = len(requests)
         progress = self.progress if progress is None else progress
         bar = tqdm(total=len(requests), desc="requests", disable=None if progress is None else not progress)
         bar.update(sum(r.finish_reason is not None for r in requests))
         waiting = deque(r for r in requests if r.finish_reason is None)
         running: list[_Request] = []
         try:
-            while waiting or running:
+            while waiting or running or self._pending is not None:
                 admitted = self._admit(waiting, running)
-                if admitted:
-                    events = self._prefill(admitted, running)
+                start = time.perf_counter()
+                if admitted:   # the prefill starts from known tokens: read the step in flight first
+                    events = self._drain(running)
+                    s["decode_seconds"] += time.perf_counter() - start
+                    events += self._prefill(admitted, running)
                 else:
                     events = self._decode(waiting, running)
+                    s["decode_seconds"] += time.perf_counter() - start
                 for req, token in events:
                     yield req, token
                     if req.finish_reason is not None:
                         bar.update(1)
         finally:
             bar.close()
-            s = self.stats   # time-averaged KV memory in use per byte of cached tokens (>= 1)
+            # time-averaged KV memory in use per byte of cached tokens (>= 1)
             s["kv_memory_ratio"] = s["kv_bytes_in_use"] / s["kv_bytes_of_tokens"] if s["kv_bytes_of_tokens"] else None
-            for r in running:   # a consumer that stops early leaves no blocks behind
-                self._release(r)
+            s["fused_decode"] = self._fused is not None and s["decode_steps"] > 0
+            step, self._pending = self._pending, None
+            for r in running + (step.requests if step is not None else []):
+                self._release(r)   # a consumer that stops early leaves no blocks behind
 
     def _admit(self, waiting: deque, running: list) -> list[_Request]:
         """Take waiting requests, first come first served, while rows, blocks and the prefill token
         budget allow; give each its blocks (sharing full prefix blocks already in the cache)."""
         admitted, tokens = [], 0
         bs, alloc = self.block_size, self.allocator
-        while waiting and len(running) + len(admitted) < self.max_batch_size:
+        # free rows, not max_batch_size - len(running): a request that stopped keeps its row until
+        # the step in flight that still holds it is read
+        while waiting and self.free_rows:
             r = waiting[0]
             seq = r.tokens
             n = len(seq)
@@ -374,7 +428,7 @@ class LLM:
         return admitted
 
     def _release(self, r: _Request) -> None:
-        self._state = None   # the running batch changes
+        """Free ``r``'s blocks and row (nothing if it holds none)."""
         for b in r.blocks:
             self.allocator.release(b)
         r.blocks = []
@@ -385,17 +439,25 @@ class LLM:
     def _accept(self, reqs: list[_Request], ids: list[float], lps: list[float],
                 running: list) -> list[tuple[_Request, int]]:
         """Append each request's sampled token (``ids``, ``lps``: host lists, one entry per request),
-        finish and free those that are done."""
-        events = []
+        finish and free those that are done. A request that finished at an earlier step (it was
+        fed to this one before its stop token was read) drops its token here and is freed; one
+        that finishes now while a later step holds it is freed when that step is read."""
+        events, ctx, tokenizer, done = [], self.config.context_length, self.tokenizer, False
         for r, t, lp in zip(reqs, ids, lps):
+            if r.finish_reason is not None:
+                self._release(r)
+                continue
             t = int(t)
             r.out.append(t)
             r.logprobs.append(lp)
-            _finish(r, self.config.context_length, self.tokenizer)
+            _finish(r, ctx, tokenizer)
             events.append((r, t))
             if r.finish_reason is not None:
-                self._release(r)
-        running[:] = [r for r in running if r.finish_reason is None]
+                done = True
+                if r.device_len <= r.length:   # no step in flight holds it
+                    self._release(r)
+        if done:
+            running[:] = [r for r in running if r.finish_reason is None]
         return events
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor):
@@ -413,11 +475,12 @@ class LLM:
         table = torch.zeros(len(admitted), self.max_blocks, dtype=torch.int32)
         for i, r in enumerate(admitted):
             table[i, :len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+            r.device_len = r.length + 1        # the token sampled here
         self.tables[rows] = table.to(self.device)
         self.positions[rows] = torch.tensor([len(r.tokens) for r in admitted], device=self.device)
         self.last_token[rows] = next_ids
         running.extend(admitted)
-        self._state = None
+        self._state = None                     # rows were handed to new requests
         s = self.stats
         s["prefill_tokens"] += batch.tokens.numel()
         s["shared_prefix_tokens"] += sum(r.cached for r in admitted)
@@ -434,74 +497,135 @@ class LLM:
         self.stats["preemptions"] += 1
 
     def _decode(self, waiting: deque, running: list) -> list[tuple[_Request, int]]:
-        """One token for every running request."""
-        start = time.perf_counter()
-        bs = self.block_size
-        # The token fed now sits at position len(tokens) - 1; a request whose position starts a new
-        # block needs one. Preempt the newest requests until the blocks are there.
-        needy = lambda r: (r.length - 1) // bs >= len(r.blocks)   # noqa: E731
-        while sum(map(needy, running)) > self.allocator.num_free:
-            self._preempt(running[-1], waiting, running)
-        new_rows, new_cols, new_blocks = [], [], []
-        for r in running:
-            if needy(r):
-                r.blocks.append(self.allocator.allocate())
-                new_rows.append(r.row)
-                new_cols.append(len(r.blocks) - 1)
-                new_blocks.append(r.blocks[-1])
-        if new_rows:
-            updates = torch.tensor([new_rows, new_cols, new_blocks]).to(self.device)   # one small copy
+        """Launch one decode step for the running requests, then read the tokens of the step before
+        it (module docstring, "Overlap"); returns the events of the tokens read."""
+        bs, alloc = self.block_size, self.allocator
+        # A request whose token in flight is its last by length sits this step out. The token fed
+        # now sits at position device_len - 1; a request whose position starts a new block needs one.
+        batch = [r for r in running if r.device_len < r.end]
+        needy = [r for r in batch if (r.device_len - 1) // bs >= len(r.blocks)]
+        events = []
+        if len(needy) > alloc.num_free:
+            # Preempting needs every token on the host: read the step in flight (it may free blocks),
+            # then preempt the newest requests until the blocks are there.
+            events = self._drain(running)
+            while True:
+                batch = list(running)
+                needy = [r for r in batch if (r.device_len - 1) // bs >= len(r.blocks)]
+                if len(needy) <= alloc.num_free:
+                    break
+                self._preempt(running[-1], waiting, running)
+        if needy:
+            rows, cols, blocks = [], [], []
+            for r in needy:
+                r.blocks.append(alloc.allocate())
+                rows.append(r.row)
+                cols.append(len(r.blocks) - 1)
+                blocks.append(r.blocks[-1])
+            updates = self._upload([rows, cols, blocks])   # one small copy
             self.tables[updates[0], updates[1]] = updates[2].to(torch.int32)
         self._account(running)
-
-        if self.config.attention == "mla":   # latents: the gathered path, sampled on the host side
-            batch = gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in running],
-                                   bs, self.config.window, self.device)
-            next_ids, logprobs = self._sample(running, paged_forward(self.model, self.cache, batch))
-            ids, lps = _to_host(next_ids, logprobs)
-        else:
-            state = self._batch_state(running)
-            uniforms = None
-            if state["plain"] and not state["greedy"]:
-                uniforms = draw_uniforms([r.params for r in running], [r.generator for r in running], self.device)
-            logits, drawn = self._decode_step(state, uniforms, max(len(r.blocks) for r in running))
-            if state["plain"]:
-                ids, lps = drawn.tolist()             # the step's one device-to-host copy
-            else:                                     # filters or penalties: sample from the logits
-                next_ids, logprobs = self._sample(running, logits)
-                self.last_token[state["rows"]] = next_ids
-                ids, lps = _to_host(next_ids, logprobs)
-        self.stats["decode_tokens"] += len(running)
-        self.stats["decode_steps"] += 1
-        events = self._accept(list(running), ids, lps, running)
-        self.stats["decode_seconds"] += time.perf_counter() - start
+        previous, self._pending = self._pending, None
+        if batch:   # empty when every running request's token in flight is its last
+            self._pending = self._launch(batch)
+            self.stats["overlapped_steps"] += previous is not None
+        events += self._read(previous, running)
+        if self._pending is not None and self._pending.wait:
+            events += self._drain(running)
         return events
 
-    def _batch_state(self, running: list) -> dict:
-        """The running batch as device tensors, rebuilt only when the batch changed: its ``rows``,
+    def _launch(self, batch: list[_Request]) -> _Step:
+        """Start the decode step of ``batch`` on the device and the copy of its tokens to the host,
+        without waiting for either."""
+        cuda = self.device.type == "cuda"
+        started = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            started.record()
+        if self.config.attention == "mla":   # latents: the gathered path, built from the host's tokens
+            pb = gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in batch],
+                                self.block_size, self.config.window, self.device)
+            next_ids, logprobs = self._sample(batch, paged_forward(self.model, self.cache, pb))
+            drawn, wait = torch.stack([next_ids.double(), logprobs.double()]), True
+        else:
+            state = self._batch_state(batch)
+            uniforms = None
+            if state["plain"] and not state["greedy"]:
+                uniforms = draw_uniforms(state["params"], state["generators"], self.device)
+            width = None if self.cuda_graphs else max(len(r.blocks) for r in batch)
+            logits, drawn = self._decode_step(state, uniforms, width)
+            if not state["plain"]:   # filters or penalties: sample from the logits
+                next_ids, logprobs = self._sample(batch, logits)
+                self.last_token[state["rows"]] = next_ids
+                drawn = torch.stack([next_ids.double(), logprobs.double()])
+            wait = state["host_tokens"] or not self.overlap
+        for r in batch:
+            r.device_len += 1
+        self.stats["decode_steps"] += 1
+        if not cuda:
+            return _Step(batch, drawn, wait)
+        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+        host.copy_(drawn, non_blocking=True)     # pinned memory: the copy does not block the host
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        return _Step(batch, host, wait, started, done)
+
+    def _read(self, step: _Step | None, running: list) -> list[tuple[_Request, int]]:
+        """Wait for ``step``'s tokens and take them in (:meth:`_accept`)."""
+        if step is None:
+            return []
+        s = self.stats
+        if step.done is not None:
+            start = time.perf_counter()
+            step.done.synchronize()
+            s["decode_wait_seconds"] += time.perf_counter() - start
+            s["decode_device_seconds"] += step.started.elapsed_time(step.done) / 1e3
+        ids, lps = step.tokens.tolist()
+        events = self._accept(step.requests, ids, lps, running)
+        s["decode_tokens"] += len(events)
+        return events
+
+    def _drain(self, running: list) -> list[tuple[_Request, int]]:
+        """Read the step in flight, if any: afterwards the host knows every token."""
+        step, self._pending = self._pending, None
+        return self._read(step, running)
+
+    def _upload(self, values, dtype=torch.long) -> torch.Tensor:
+        """Host ``values`` as a device tensor, copied through pinned memory on CUDA so that the host
+        does not wait for the step in flight (a plain copy from pageable memory would)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _batch_state(self, batch: list) -> dict:
+        """The decode batch as device tensors, rebuilt only when its rows changed: its ``rows``,
         ``temperatures`` (0 for greedy), whether every request is ``plain`` (sampled inside the step)
-        or ``greedy``; with CUDA graphs the same padded to the graph's batch size (``padded_rows``
-        point at the dummy row)."""
-        if self._state is None:
-            rows = [r.row for r in running]
-            temps = [r.params.temperature for r in running]
-            state = dict(plain=all(r.params.plain for r in running), greedy=all(r.params.greedy for r in running),
-                         size=len(rows))
-            if self.cuda_graphs:
-                state["size"] = size = 1 << (len(rows) - 1).bit_length()   # few graphs to capture
-                rows, temps = rows + [self.dummy] * (size - len(rows)), temps + [0.0] * (size - len(rows))
-            state["padded_rows"] = torch.tensor(rows, device=self.device)
-            state["padded_temperatures"] = torch.tensor(temps, dtype=torch.float32, device=self.device)
-            state["rows"] = state["padded_rows"][:len(running)]
-            self._state = state
-        return self._state
+        or ``greedy``, whether any needs the tokens on the host (``host_tokens``: a repetition
+        penalty), its ``params`` and ``generators``; with CUDA graphs the same padded to the graph's
+        batch size (:func:`graph_batch_size`; ``padded_rows`` point at the dummy row)."""
+        rows = [r.row for r in batch]
+        if self._state is not None and self._state["row_list"] == rows:
+            return self._state
+        params = [r.params for r in batch]
+        temps = [p.temperature for p in params]
+        state = dict(row_list=rows, params=params, generators=[r.generator for r in batch], size=len(rows),
+                     plain=all(p.plain for p in params), greedy=all(p.greedy for p in params),
+                     host_tokens=any(p.repetition_penalty != 1 for p in params))
+        if self.cuda_graphs:
+            state["size"] = size = graph_batch_size(len(rows))
+            rows, temps = rows + [self.dummy] * (size - len(rows)), temps + [0.0] * (size - len(rows))
+        state["padded_rows"] = self._upload(rows)
+        state["padded_temperatures"] = self._upload(temps, torch.float32)
+        state["rows"] = state["padded_rows"][:len(batch)]
+        self._state = state
+        return state
 
     def _account(self, running: list) -> None:
         """KV memory statistics, summed over decode steps (so their ratio is a time average)."""
         s, used = self.stats, self.allocator.num_used
         s["peak_kv_blocks"] = max(s["peak_kv_blocks"], used)
         s["kv_bytes_in_use"] += used * self.cache.block_bytes
-        s["kv_bytes_of_tokens"] += self.cache.bytes_of_tokens(sum(r.length for r in running))
+        s["kv_bytes_of_tokens"] += self.cache.bytes_of_tokens(sum(r.device_len for r in running))
 
     # ------------------------------------------------------------------------------------------
     # The decode step, plain or through CUDA graphs
@@ -520,10 +644,11 @@ class LLM:
     def _step(self, rows: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor | None,
               width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step on the device, no host sync: the forward of ``rows`` ``(B,)`` (block tables
-        cut to ``width`` columns), a draw at ``temperatures`` ``(B,)`` (0: greedy) with ``uniforms``
-        ``(B,)`` (None: all greedy), and the rows' last tokens and positions advanced. Returns the
-        logits ``(B, V)`` and ``(2, B)`` float64 sampled ids and their log-probs."""
-        logits = paged_forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
+        cut to ``width`` columns; the fused forward when on), a draw at ``temperatures`` ``(B,)``
+        (0: greedy) with ``uniforms`` ``(B,)`` (None: all greedy), and the rows' last tokens and
+        positions advanced. Returns the logits ``(B, V)`` and ``(2, B)`` float64 sampled ids and
+        their log-probs."""
+        logits = self._decode_forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
         greedy = temperatures == 0
         # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,
         # which a CUDA graph cannot capture
@@ -536,32 +661,11 @@ class LLM:
         self.positions.narrow(0, self.dummy, 1).zero_()
         return logits, torch.stack([next_ids.double(), logprobs.double()])
 
-    def _step_function(self):
-        """The decode step, compiled once when ``self.compile`` (falls back to the plain step)."""
-        if self._step_fn is None:
-            self._step_fn = self._step
-            if self.compile:
-                if self.decode_attention is not paged_attention_reference:   # the Triton kernel: an opaque op
-                    from lmfs.kernels.paged_attention import paged_decode_attention_op
-                    self.decode_attention = paged_decode_attention_op
-                self._step_fn = torch.compile(self._step)
-        return self._step_fn
-
-    def _run_step(self, *args):
-        """The (compiled) step; a compile error switches compilation off, with a warning, for good."""
-        try:
-            return self._step_function()(*args)
-        except Exception as err:   # torch.compile failing on an unusual model must not stop generation
-            if not self.compile:
-                raise
-            warnings.warn(f"torch.compile of the decode step failed, decoding without it: {err}", stacklevel=3)
-            self.compile, self._step_fn = False, self._step
-            return self._step(*args)
-
     def _decode_step(self, state: dict, uniforms: torch.Tensor | None,
-                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_step` for the running batch, whose longest block table has ``width`` blocks:
-        called directly, or replayed from its CUDA graph (which reads the tables' full width)."""
+                     width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_step` for the decode batch, whose longest block table has ``width`` blocks (None
+        with CUDA graphs): called directly, or replayed from its CUDA graph (which reads the tables'
+        full width)."""
         B, size = len(state["rows"]), state["size"]
         if self.cuda_graphs and size not in self._graphs:
             try:
@@ -571,13 +675,14 @@ class LLM:
                               stacklevel=2)
                 self.cuda_graphs = False
         if not self.cuda_graphs:
-            return self._run_step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
+            return self._step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
         graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn = self._graphs[size]
         static_rows.copy_(state["padded_rows"])
         static_temps.copy_(state["padded_temperatures"])
         if uniforms is not None:
             static_uniforms[:B].copy_(uniforms)
         graph.replay()
+        self.stats["cuda_graphs"] = True
         return static_logits[:B], static_drawn[:, :B]
 
     def _capture(self, size: int) -> tuple:
@@ -586,36 +691,58 @@ class LLM:
         static_rows = torch.full((size,), self.dummy, dtype=torch.long, device=self.device)
         static_temps = torch.ones(size, device=self.device)
         static_uniforms = torch.full((size,), 0.5, device=self.device)
-        if self.compile and size > 1:   # one compiled step serves every padded size above 1
-            for t in (static_rows, static_temps, static_uniforms):
-                torch._dynamo.mark_dynamic(t, 0)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):             # warm-up (compilation, kernel selection, Triton autotuning)
+        with torch.cuda.stream(stream):             # warm-up (kernel selection, Triton autotuning)
             for _ in range(2):
-                self._run_step(static_rows, static_temps, static_uniforms)
+                self._step(static_rows, static_temps, static_uniforms)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                static_logits, static_drawn = self._step_function()(static_rows, static_temps, static_uniforms)
-        except Exception as err:   # compiled code that cannot be captured: capture the plain step
-            if not self.compile:
-                raise
-            warnings.warn(f"capturing the compiled decode step failed, capturing it uncompiled: {err}", stacklevel=3)
-            self.compile, self._step_fn = False, self._step
-            return self._capture(size)
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            static_logits, static_drawn = self._step(static_rows, static_temps, static_uniforms)
         return graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn
+
+    def _weight_addresses(self) -> tuple:
+        return tuple((p.data_ptr(), p.dtype) for p in self.model.parameters())
 
     def _check_weights(self) -> None:
         """Drop the CUDA graphs if the weights moved (new tensors or dtype) since they were captured:
-        a graph holds the addresses it read. In-place updates keep the addresses, and the graphs."""
-        where = tuple((p.data_ptr(), p.dtype) for p in self.model.parameters())
+        a graph holds the addresses it read. In-place updates keep the addresses, and the graphs.
+        The fused forward's merged weights are rebuilt from the new tensors."""
+        where = self._weight_addresses()
         if where != self._weights:
             self._graphs.clear()
+            if self._fused is not None:
+                self._fused = self._decode_forward = type(self._fused)(self.model)
+                where = self._weight_addresses()   # the parameters now point into the merged buffers
             self._weights = where
+
+
+@dataclass
+class _Step:
+    """A decode step launched on the device: its ``requests``, its ``(2, B)`` ``tokens`` (ids and
+    log-probs; on CUDA a pinned host buffer the copy lands in once ``done`` has passed, with
+    ``started`` for the device time), and whether the engine must ``wait`` for it before the next
+    step (the next batch needs its tokens on the host)."""
+
+    requests: list[_Request]
+    tokens: torch.Tensor
+    wait: bool
+    started: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
+
+
+def graph_batch_size(n: int) -> int:
+    """The batch size of the CUDA graph that runs a decode batch of ``n`` requests: 1, 2, 4, then
+    the next multiple of 8 up to 128 and of 16 above. Padded rows are wasted work and every size is
+    one more graph to capture: a batch of 200 pads to 208 (4% waste) where the next power of two,
+    256, would waste 22%, for 27 graphs up to 256 rows instead of 9."""
+    if n <= 4:
+        return 1 << (n - 1).bit_length()
+    step = 8 if n <= 128 else 16
+    return -(-n // step) * step
 
 
 def _to_host(next_ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[float]]:

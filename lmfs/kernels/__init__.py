@@ -22,6 +22,8 @@
                            launch; dx and dw kernels for the backward (:mod:`lmfs.kernels.grouped_gemm`)
 :func:`paged_decode_attention`  one decode token per sequence attending over a paged KV cache
                            through its block table (:mod:`lmfs.kernels.paged_attention`)
+:class:`FusedDecode`       a dense model's decode step in about ten kernels a layer: merged
+                           projections, fused norms, RoPE and cache writes (:mod:`lmfs.kernels.decode`)
 :func:`dequant_matmul`     activations times int8 / packed int4 group-quantised weights,
                            dequantised in registers (:mod:`lmfs.kernels.dequant_matmul`)
 :func:`fuse_model`         a built ``TransformerLM`` made faster in place: fused projections,
@@ -41,6 +43,7 @@ from lmfs.kernels.flash_attention import (HEAD_DIMS, FlashAttentionTorch, FlashA
 from lmfs.kernels.fused import fuse_model, rope_qkv, swiglu
 from lmfs.kernels.gelu import cuda_toolchain_problem, gelu, gelu_cuda, gelu_torch
 from lmfs.kernels.grouped_gemm import grouped_matmul
+from lmfs.kernels.decode import FusedDecode
 from lmfs.kernels.dequant_matmul import dequant_matmul
 from lmfs.kernels.loss import cross_entropy_rows, linear_cross_entropy
 from lmfs.kernels.paged_attention import paged_decode_attention
@@ -50,5 +53,5 @@ from lmfs.kernels.softmax import softmax
 __all__ = ["INTERPRET", "HEAD_DIMS", "FlashAttentionTorch", "FlashAttentionTriton",
            "cross_entropy_rows", "cuda_toolchain_problem", "flash_attention",
            "flash_attention_forward", "flash_attention_torch", "fuse_model", "gelu", "gelu_cuda", "gelu_torch",
-           "dequant_matmul", "grouped_matmul", "paged_decode_attention",
+           "FusedDecode", "dequant_matmul", "grouped_matmul", "paged_decode_attention",
            "linear_cross_entropy", "online_softmax", "rms_norm", "rope_qkv", "softmax", "swiglu"]

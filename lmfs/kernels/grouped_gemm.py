@@ -8,9 +8,10 @@ group is multiplied by its own weight matrix. A loop over experts launches E sma
 too small to fill a GPU, with a Python round trip between them. Here one launch does them all:
 
 * **Tiles of all groups in one grid.** Group e is cut into ``ceil(size_e / BLOCK_M)`` row tiles;
-  the grid has one program per (row tile, column tile). A program finds its group from the tile
-  offsets ``cumsum(ceil(size / BLOCK_M))``: its group is the number of groups whose tiles all
-  come before its own tile. The offsets are computed inside the kernel from the E group sizes
+  the grid has one program per (row tile, column tile), the column tiles of one row tile next
+  to each other (so they run together and share its rows through L2). A program finds its group
+  from the tile offsets ``cumsum(ceil(size / BLOCK_M))``: its group is the number of groups whose
+  tiles all come before its own tile. The offsets are computed inside the kernel from the E group sizes
   (a vector of E numbers, one ``tl.cumsum``), because the autotuner picks ``BLOCK_M`` per shape and
   a map computed beforehand would have to be redone for every candidate.
 * **Ragged ends.** A group's last tile usually holds fewer than ``BLOCK_M`` rows; the rows past
@@ -68,10 +69,17 @@ def _tile_coords(offsets_ptr, E, M, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr
     """This program's output tile: ``(group, rows, row_ok, cols, col_ok)``, rows (BLOCK_M,) of the
     grouped rows, cols (BLOCK_N,) of the M output columns, masked past their ends (a group's last
     tile is ragged: later rows belong to the next group). ``group == E``: this program has no tile
-    (the grid is sized for the worst case)."""
-    group, start, end = _find_tile(offsets_ptr, tl.program_id(0), E, BLOCK_M, BLOCK_E)
+    (the grid is sized for the worst case).
+
+    The grid is one-dimensional with the column tile varying fastest: a GPU starts programs in
+    order of their id, so the ``cdiv(M, BLOCK_N)`` programs that share one row tile run at the
+    same time and all but the first find its A rows in L2. (Row tiles first, the A operand, far
+    larger than a group's weights, would come from memory once per column tile.)"""
+    n_col_tiles = tl.cdiv(M, BLOCK_N)
+    tile = tl.program_id(0) // n_col_tiles
+    group, start, end = _find_tile(offsets_ptr, tile, E, BLOCK_M, BLOCK_E)
     rows = start + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(0) % n_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     return group, rows, rows < end, cols, cols < M
 
 
@@ -222,9 +230,10 @@ def _group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
 
 
 def _tile_grid(N: int, E: int, M: int):
-    """The launch grid of a kernel that walks row tiles of E groups (:func:`_find_tile`): the most
-    row tiles E groups of N rows can need (every group may end in a partial tile), times M's tiles."""
-    return lambda meta: ((N + E * (meta["BLOCK_M"] - 1)) // meta["BLOCK_M"], triton.cdiv(M, meta["BLOCK_N"]))
+    """The launch grid of a kernel that walks row tiles of E groups (:func:`_tile_coords`): the most
+    row tiles E groups of N rows can need (every group may end in a partial tile) times M's tiles,
+    as one dimension."""
+    return lambda meta: ((N + E * (meta["BLOCK_M"] - 1)) // meta["BLOCK_M"] * triton.cdiv(M, meta["BLOCK_N"]),)
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, candidates: int) -> torch.Tensor:

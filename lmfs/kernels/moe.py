@@ -18,11 +18,11 @@ the benchmark's shape the grouped matmuls take a third of the layer's time (docs
 * **Combine by the inverse permutation.** Token ``t``'s assignments sit at known sorted positions
   ``slot_pos[t, j]`` (``-1`` for an empty slot: a dropped assignment, or fewer experts under
   expert choice). So ``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` is a gather and a sum,
-  one program per token: no scatter, no atomic adds (16-bit ones are compare-and-swap loops on a
-  GPU). The routing weights are applied here, not in a pass of their own. Its backward is a
+  a tile of tokens × columns per program with all of its k row loads in flight at once: no
+  scatter, no atomic adds (16-bit ones are compare-and-swap loops on a GPU). The routing weights are applied here, not in a pass of their own. Its backward is a
   gather the other way: ``dy[slot_pos[t, j]] = weight[t, j] · dout[t]`` (every sorted position
   has exactly one owner, so these are plain stores), with ``dweight[t, j] = ⟨dout[t],
-  y[slot_pos[t, j]]⟩`` from the same loads. The input's gradient, a sum over each token's sorted
+  y[slot_pos[t, j]]⟩`` from the same loads (a partial sum per column tile, added up after). The input's gradient, a sum over each token's sorted
   rows, is the same gather-and-sum with unit weights.
 
 Five kernels here (first layer; the two backward products; combine and its backward) and the
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmfs.kernels._triton import INTERPRET, check_tensors, tl, triton
+from lmfs.kernels._triton import INTERPRET, check_tensors, config_str, tl, triton
 from lmfs.kernels.grouped_gemm import (_FWD_BLOCKS, _FWD_CONFIGS, _FWD_NAMES, _autotuned, _block_e, _matmul,
                                        _precision, _rows_bucket, _tile_coords, _tile_grid, _tile_product, _weight_grad)
 from lmfs.nn.moe import MoE
@@ -56,20 +56,23 @@ def moe_up_kernel(x_ptr, rows_ptr, wg_ptr, wu_ptr, h_ptr, g_ptr, u_ptr, offsets_
     token = tl.load(rows_ptr + pos, mask=pos_ok, other=0)  # row of x for each sorted position
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token.to(tl.int64)[:, None] * K + ks[None, :]
-    w_offs = group.to(tl.int64) * K * M + ks[:, None] * M + cols[None, :]
+    w_offs = ks[:, None] * M + cols[None, :]  # within one expert's matrix: int32 suffices
+    wg_ptrs = wg_ptr + group.to(tl.int64) * K * M + w_offs
+    wu_ptrs = wu_ptr + group.to(tl.int64) * K * M + w_offs
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=pos_ok[:, None] & k_ok[None, :], other=0.0)
-        bg = tl.load(wg_ptr + w_offs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        bu = tl.load(wu_ptr + w_offs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        bg = tl.load(wg_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        bu = tl.load(wu_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
         acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
-        w_offs += BLOCK_K * M
+        wg_ptrs += BLOCK_K * M
+        wu_ptrs += BLOCK_K * M
     offs = pos.to(tl.int64)[:, None] * M + cols[None, :]
     mask = pos_ok[:, None] & col_ok[None, :]
     # h from g and u as stored (rounded to their dtype): the backward sees the same numbers.
@@ -124,73 +127,93 @@ def moe_up_dx_kernel(dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, offsets_ptr, N, K, 
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, slot_pos_ptr, weight_ptr, out_ptr, D, SLOTS, WEIGHTED: tl.constexpr,
-                       BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` for one token t (weight 1 when not
-    ``WEIGHTED``); slots with ``slot_pos = -1`` add nothing. y: (A, D), out: (tokens, D),
-    slot_pos and weight (float32): (tokens, SLOTS); all contiguous. Sums in float32."""
-    t = tl.program_id(0).to(tl.int64)
-    slots = tl.arange(0, BLOCK_S)
-    slot_ok = slots < SLOTS
-    pos = tl.load(slot_pos_ptr + t * SLOTS + slots, mask=slot_ok, other=-1).to(tl.int64)
-    used = pos >= 0
-    if WEIGHTED:
-        w = tl.load(weight_ptr + t * SLOTS + slots, mask=used, other=0.0)
-    else:
-        w = used.to(tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        rows = tl.load(y_ptr + pos[:, None] * D + cols[None, :], mask=used[:, None] & col_ok[None, :], other=0.0)
-        total = tl.sum(rows.to(tl.float32) * w[:, None], axis=0)
-        tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+def moe_combine_kernel(y_ptr, slot_pos_ptr, weight_ptr, out_ptr, T, D, SLOTS: tl.constexpr, WEIGHTED: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` for a tile of BLOCK_T tokens × BLOCK_D
+    columns (weight 1 when not ``WEIGHTED``); slots with ``slot_pos = -1`` add nothing. y: (A, D),
+    out: (T, D), slot_pos (int32) and weight (float32): (T, SLOTS); all contiguous. Sums in float32.
+
+    The loop over slots is unrolled, so the SLOTS row loads of every token of the tile are issued
+    before the first one is needed: a gather of scattered rows is bound by how many loads are in
+    flight, and one token per program (SLOTS short rows) kept too few of them going."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tokens < T
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(SLOTS):
+        pos = tl.load(slot_pos_ptr + tokens * SLOTS + j, mask=tok_ok, other=-1)
+        used = pos >= 0
+        rows = tl.load(y_ptr + pos.to(tl.int64)[:, None] * D + cols[None, :], mask=used[:, None] & col_ok[None, :],
+                       other=0.0).to(tl.float32)
+        if WEIGHTED:
+            rows = rows * tl.load(weight_ptr + tokens * SLOTS + j, mask=used, other=0.0)[:, None]
+        acc += rows
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tok_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def moe_combine_bwd_kernel(dout_ptr, y_ptr, slot_pos_ptr, weight_ptr, dy_ptr, dweight_ptr, D, SLOTS,
-                           NEED_DWEIGHT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The combine's backward for one token t: ``dy[slot_pos[t, j]] = weight[t, j] · dout[t]``
-    (each sorted row has one owner: plain stores) and ``dweight[t, j] = ⟨dout[t], y[slot_pos[t, j]]⟩``
-    (float32, 0 for empty slots)."""
-    t = tl.program_id(0).to(tl.int64)
-    slots = tl.arange(0, BLOCK_S)
-    slot_ok = slots < SLOTS
-    pos = tl.load(slot_pos_ptr + t * SLOTS + slots, mask=slot_ok, other=-1).to(tl.int64)
-    used = pos >= 0
-    w = tl.load(weight_ptr + t * SLOTS + slots, mask=used, other=0.0)
-    dw = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
+def moe_combine_bwd_kernel(dout_ptr, y_ptr, slot_pos_ptr, weight_ptr, dy_ptr, dweight_ptr, T, D,
+                           SLOTS: tl.constexpr, NEED_DWEIGHT: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """The combine's backward for a tile of BLOCK_T tokens × BLOCK_D columns:
+    ``dy[slot_pos[t, j]] = weight[t, j] · dout[t]`` (each sorted row has one owner: plain stores)
+    and ``⟨dout[t], y[slot_pos[t, j]]⟩`` over this tile's columns into ``dweight[c, t, j]``
+    (float32 (cdiv(D, BLOCK_D), T, SLOTS), c = this column tile, 0 for empty slots): the caller
+    sums over c. Shapes as in :func:`moe_combine_kernel`."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tokens < T
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    dout = tl.load(dout_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :],
+                   mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    dweight_ptrs = dweight_ptr + (tl.program_id(1).to(tl.int64) * T + tokens) * SLOTS
+    for j in tl.static_range(SLOTS):
+        pos = tl.load(slot_pos_ptr + tokens * SLOTS + j, mask=tok_ok, other=-1)
+        used = pos >= 0
+        w = tl.load(weight_ptr + tokens * SLOTS + j, mask=used, other=0.0)
+        offs = pos.to(tl.int64)[:, None] * D + cols[None, :]
         mask = used[:, None] & col_ok[None, :]
-        dout = tl.load(dout_ptr + t * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(dy_ptr + pos[:, None] * D + cols[None, :], (w[:, None] * dout[None, :]).to(dy_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(dy_ptr + offs, (w[:, None] * dout).to(dy_ptr.dtype.element_ty), mask=mask)
         if NEED_DWEIGHT:
-            rows = tl.load(y_ptr + pos[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dw += tl.sum(rows * dout[None, :], axis=1)
-    if NEED_DWEIGHT:
-        tl.store(dweight_ptr + t * SLOTS + slots, dw, mask=slot_ok)
+            rows = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dweight_ptrs + j, tl.sum(rows * dout, axis=1), mask=tok_ok)
 
 
-# The three tile kernels autotune over grouped_gemm's forward candidates (same tile shapes); the
-# first layer's kernel holds two accumulators, so its largest tile is left out of its list.
-_UP_CONFIGS = {"16-bit": [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                          (64, 64, 64, 4, 4)],
+# Tile shapes of the three matmul kernels, as grouped_gemm's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+# stages), the likeliest first. Each kernel keeps more than one (BLOCK_M, BLOCK_N) float32 tile
+# live: the first layer's two accumulators (gate and up), and the second layer's input gradient
+# its accumulator next to the g and u tiles its epilogue loads. At 128 × 128 with 8 warps one such
+# tile is 64 registers a thread, so two or three of them crowd the 255 a thread may have and spill:
+# these lists lead with 64-wide column tiles (two warp groups, 3-4 stages: 32-48 KB of shared
+# memory a stage, well within the H200's 228 KB) and keep the wide tiles for the autotuner to try.
+_UP_CONFIGS = {"16-bit": [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4),
+                          (64, 128, 64, 4, 4), (128, 64, 32, 8, 5), (64, 64, 64, 4, 4)],
                "fp32": _FWD_CONFIGS["fp32"]}
+_DOWN_DX_CONFIGS = {"16-bit": [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3),
+                               (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)],
+                    "fp32": _FWD_CONFIGS["fp32"]}
 if INTERPRET:
     _up, _down_dx, _up_dx = moe_up_kernel, moe_down_dx_kernel, moe_up_dx_kernel
 else:
     _up = _autotuned(moe_up_kernel, _UP_CONFIGS, _FWD_NAMES, "x_ptr")
-    _down_dx = _autotuned(moe_down_dx_kernel, _FWD_CONFIGS, _FWD_NAMES, "dy_ptr")
+    _down_dx = _autotuned(moe_down_dx_kernel, _DOWN_DX_CONFIGS, _FWD_NAMES, "dy_ptr")
     _up_dx = _autotuned(moe_up_dx_kernel, _FWD_CONFIGS, _FWD_NAMES, "dg_ptr")
-# The combine kernels read whole rows in chunks of BLOCK_D columns, a token per program.
-_COMBINE_BLOCK_D = 16 if INTERPRET else 256
+# The combine kernels' tiles: BLOCK_T tokens × BLOCK_D columns. On a GPU, 16 × 256 with 4 warps is
+# 32 elements a thread per slot (four 16-byte loads), so top-8 keeps 32 loads a thread in flight;
+# the interpreter gets few, wide programs.
+_COMBINE_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 16, "BLOCK_D": 256, "num_warps": 4}
 
 
-def _block_s(slots: int) -> int:
-    """The combine kernels' vector width for a token's ``slots`` assignments (a power of two, ≥ 2)."""
-    return max(2, triton.next_power_of_2(slots))
+def autotune_choices() -> dict[str, str]:
+    """Blocks, warps and stages of the latest launches of the three matmul kernels of this module."""
+    return {name: config_str(_FWD_BLOCKS if INTERPRET else getattr(kernel, "best_config", None))
+            for name, kernel in (("up", _up), ("down_dx", _down_dx), ("up_dx", _up_dx))}
+
+
+def _combine_grid(tokens: int, D: int) -> tuple[int, int]:
+    return triton.cdiv(tokens, _COMBINE_BLOCKS["BLOCK_T"]), triton.cdiv(D, _COMBINE_BLOCKS["BLOCK_D"])
 
 
 def _combine(y: torch.Tensor, slot_pos: torch.Tensor, weight: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -198,10 +221,25 @@ def _combine(y: torch.Tensor, slot_pos: torch.Tensor, weight: torch.Tensor | Non
     tokens, slots = slot_pos.shape
     out = torch.empty(tokens, y.shape[1], device=y.device, dtype=dtype)
     if tokens:
-        moe_combine_kernel[(tokens,)](y, slot_pos, slot_pos if weight is None else weight, out, y.shape[1], slots,
-                                      WEIGHTED=weight is not None, BLOCK_S=_block_s(slots),
-                                      BLOCK_D=_COMBINE_BLOCK_D)
+        moe_combine_kernel[_combine_grid(tokens, y.shape[1])](
+            y, slot_pos, slot_pos if weight is None else weight, out, tokens, y.shape[1], slots,
+            WEIGHTED=weight is not None, **_COMBINE_BLOCKS)
     return out
+
+
+def _combine_backward(dout: torch.Tensor, y: torch.Tensor, slot_pos: torch.Tensor, weight: torch.Tensor,
+                      need_dweight: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of :func:`_combine` (weighted) for ``dout`` (tokens, D): ``dy`` (A, D) in y's
+    dtype, and ``dweight`` (tokens, slots) float32 if ``need_dweight`` (else None)."""
+    (tokens, slots), D = slot_pos.shape, y.shape[1]
+    dy = torch.empty_like(y)
+    grid = _combine_grid(tokens, D)
+    # float32 partial sums of the routing weights' gradient, one per column tile
+    parts = torch.empty(grid[1] if need_dweight else 0, tokens, slots, device=y.device, dtype=torch.float32)
+    if tokens:
+        moe_combine_bwd_kernel[grid](dout.contiguous(), y, slot_pos, weight, dy, parts, tokens, D, slots,
+                                     NEED_DWEIGHT=need_dweight, **_COMBINE_BLOCKS)
+    return dy, parts.sum(0) if need_dweight else None
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -210,8 +248,8 @@ class _FusedExperts(torch.autograd.Function):
 
     x: (tokens, d_model); w_gate, w_up: (E, d_model, width), w_down: (E, width, d_model), all in
     one dtype; weight: (tokens, slots) float32 routing weights; rows: (A,) token of each sorted
-    position; offsets: (E + 1,) group boundaries; slot_pos: (tokens, slots) sorted position of each
-    token's assignments, -1 where empty. Returns (tokens, d_model) in ``out_dtype``. Saves x, the
+    position; offsets: (E + 1,) group boundaries; slot_pos: (tokens, slots) int32 sorted position
+    of each token's assignments, -1 where empty. Returns (tokens, d_model) in ``out_dtype``. Saves x, the
     first layer's g, u and h, and the expert outputs y (for the routing weights' gradient)."""
 
     @staticmethod
@@ -229,13 +267,9 @@ class _FusedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, h, g, u, y = ctx.saved_tensors
-        (tokens, slots), (A, D), E = slot_pos.shape, y.shape, w_gate.shape[0]
-        dy = torch.empty_like(y)
-        dweight = torch.empty_like(weight)
-        if tokens:
-            moe_combine_bwd_kernel[(tokens,)](dout.contiguous(), y, slot_pos, weight, dy, dweight, D, slots,
-                                              NEED_DWEIGHT=ctx.needs_input_grad[4],
-                                              BLOCK_S=_block_s(slots), BLOCK_D=_COMBINE_BLOCK_D)
+        A, D, E = y.shape[0], y.shape[1], w_gate.shape[0]
+        need = ctx.needs_input_grad
+        dy, dweight = _combine_backward(dout, y, slot_pos, weight, need[4])
         dg, du = torch.empty_like(g), torch.empty_like(u)
         dx_sorted = torch.empty(A, x.shape[1], device=x.device, dtype=x.dtype)
         if A:
@@ -245,12 +279,11 @@ class _FusedExperts(torch.autograd.Function):
                                                    *wd_t.stride(), _rows_bucket(A), 0, **blocks)
             _up_dx[_tile_grid(A, E, x.shape[1])](dg, du, wg_t, wu_t, dx_sorted, offsets, A, g.shape[1], x.shape[1],
                                                  E, *wg_t.stride(), _rows_bucket(A), 0, **blocks)
-        need = ctx.needs_input_grad
         dw_gate = _weight_grad(x, dg, offsets, E, 0, rows=rows) if need[1] else None
         dw_up = _weight_grad(x, du, offsets, E, 0, rows=rows) if need[2] else None
         dw_down = _weight_grad(h, dy, offsets, E, 0) if need[3] else None
         dx = _combine(dx_sorted, slot_pos, None, x.dtype)
-        return dx, dw_gate, dw_up, dw_down, dweight if need[4] else None, None, None, None, None
+        return dx, dw_gate, dw_up, dw_down, dweight, None, None, None, None
 
 
 def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, n_tokens: int, n_experts: int,
@@ -259,21 +292,24 @@ def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, 
 
     Returns ``rows`` (A,): the token of each position once sorted by expert; ``offsets`` (E + 1,)
     int32: where each expert's rows start and end; ``slot_pos`` (tokens, slots): the sorted
-    positions of each token's assignments in assignment order, -1 in unused slots;
+    positions of each token's assignments in assignment order (int32), -1 in unused slots;
     ``slot_weight`` (tokens, slots) float32: their routing weights, 0 in unused slots
     (differentiable in ``weight``). ``slots`` must be at least the most assignments any token has
     (top-k for token choice). Boundaries come from ``searchsorted`` on the sorted keys rather than
     ``bincount``, which on a GPU reads the largest key back to the host and so waits for the GPU."""
-    A = token.shape[0]
-    order = torch.argsort(expert, stable=True)
-    experts = torch.arange(n_experts + 1, device=expert.device, dtype=expert.dtype)
-    offsets = torch.searchsorted(expert[order], experts, out_int32=True)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(A, device=order.device)              # sorted position of each assignment
-    by_token = torch.argsort(token, stable=True)                         # assignments grouped by token
+    A, device = token.shape[0], token.device
+    # Both sorts on 32-bit keys: a radix sort makes one pass per 8 bits of its keys, and the
+    # ids come as int64.
+    key = expert.to(torch.int32)
+    order = torch.argsort(key, stable=True)
+    experts = torch.arange(n_experts + 1, device=device, dtype=torch.int32)
+    offsets = torch.searchsorted(key[order], experts, out_int32=True)
+    position = torch.empty(A, device=device, dtype=torch.int32)
+    position[order] = torch.arange(A, device=device, dtype=torch.int32)  # sorted position of each assignment
+    by_token = torch.argsort(token.to(torch.int32), stable=True)        # assignments grouped by token
     owner = token[by_token]
-    slot = torch.arange(A, device=token.device) - torch.searchsorted(owner, owner)  # rank within its token
-    slot_pos = torch.full((n_tokens, slots), -1, dtype=torch.int64, device=token.device)
+    slot = torch.arange(A, device=device) - torch.searchsorted(owner, owner)  # rank within its token
+    slot_pos = torch.full((n_tokens, slots), -1, dtype=torch.int32, device=device)
     slot_pos[owner, slot] = position[by_token]
     slot_weight = weight.new_zeros(n_tokens, slots, dtype=torch.float32).index_put((owner, slot),
                                                                                   weight[by_token].float())

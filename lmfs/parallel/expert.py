@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmfs.nn.moe import MoE
+from lmfs.nn.moe import MoE, bin_counts
 from lmfs.parallel import comm
 from lmfs.parallel.common import shard_batch, train_on_rank
 from lmfs.parallel.launch import device_for
@@ -98,7 +98,7 @@ class ExpertParallelMoE(nn.Module):
         # 1) Every (token, choice) assignment is a row; sorting by expert groups rows by owner rank.
         order = torch.argsort(routing.expert, stable=True)
         token = routing.token[order]
-        per_expert = torch.bincount(routing.expert, minlength=self.n_experts)
+        per_expert = bin_counts(routing.expert, self.n_experts)
 
         # 2) Counts: rank j receives our counts for its experts; we receive theirs for ours,
         #    laid out [source rank][local expert].
@@ -115,13 +115,17 @@ class ExpertParallelMoE(nn.Module):
         local_expert = torch.arange(self.local, device=x.device).repeat(self.n)
         row_expert = local_expert.repeat_interleave(incoming)
         by_expert = torch.argsort(row_expert, stable=True)
-        y = self.experts(received[by_expert], torch.bincount(row_expert, minlength=self.local))
+        y = self.experts(received[by_expert], bin_counts(row_expert, self.local))
         results = y[torch.argsort(by_expert)]
 
-        # 5) Combine: rows come back in the order they left; weight them and sum per token.
+        # 5) Combine: rows come back in the order they left. Put them back in assignment order,
+        #    which token choice without a capacity limit makes choice-major with every token k
+        #    times, and sum each token's k weighted rows: a plain sum, no scatter-add.
         back = _AllToAll.apply(results, send_splits, recv_splits, self.group)
-        w = routing.weight[order].to(back.dtype)
-        out = torch.zeros_like(flat).index_add(0, token, (back * w[:, None]).to(flat.dtype))
+        unsorted = torch.empty_like(back)
+        unsorted[order] = back
+        weighted = unsorted * routing.weight.to(back.dtype)[:, None]
+        out = weighted.view(-1, *flat.shape).sum(0).to(flat.dtype)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view_as(x)

@@ -1,0 +1,388 @@
+"""A decode step of a dense Llama-shaped model in few kernels: :class:`FusedDecode`.
+
+At batch 1 a decode step reads every weight once and does almost nothing with it, so its time
+should be the weight bytes over the memory bandwidth. Written as :func:`lmfs.inference.paged_forward`
+writes it (the model's own modules, op by op), a step of a 16-layer model launches about 600 small
+kernels besides its matmuls: each RMSNorm is seven (cast, square, mean, add, rsqrt, multiply,
+cast), RoPE about ten, the cache writes, casts and residual adds more. Each costs 1-2 µs whatever
+it does, and together they take longer than the matmuls. Here one layer is nine or ten kernels:
+
+    h = rmsnorm(x += delta)                 residual add + norm, one kernel (the first layer's also
+                                            gathers the token embeddings)
+    qkv = h @ W_qkvᵀ                        ONE matmul on the merged q/k/v weight
+    q, cache[slots] = rope(qkv)             RoPE on q and k, k and v written into the paged cache
+    o = decode_attention(q, cache)          the paged kernel (1 or 2 launches), unchanged
+    delta = o @ W_oᵀ
+    h = rmsnorm(x += delta)
+    gu = h @ W_guᵀ                          ONE matmul on the merged gate/up weight
+    delta = swiglu(gu) @ W_downᵀ            SwiGLU kernel + matmul (or one Triton GEMV, below)
+
+then the final add + norm and the model's own head.
+
+**Merged weights without a second copy.** One matmul for q, k and v needs their weights in one
+``((H + 2·KV)·hd, d)`` tensor. Concatenating them at every step would copy them (more bytes than
+the matmul reads); keeping a merged copy would double their memory and go stale after an optimizer
+step. Instead the merged buffer is made once and the parameters are *re-pointed* into it
+(``param.data = buffer[rows]``): each parameter keeps its identity, shape and state-dict entry,
+and an in-place update of it (an optimizer step, ``load_state_dict``) writes into the buffer that
+the next step reads. Gate and up are merged the same way. If the parameters are replaced later
+(``model.to(dtype)``, new tensors), the next call notices and merges again.
+
+**Same numbers as the op-by-op path, up to rounding.** The kernels compute in float32 but round
+where the PyTorch ops round (the residual sum, the normalised row before the gain, each product of
+RoPE), so with 16-bit weights they stay within a unit in the last place of the modules' results.
+What differs is the order of additions inside the reductions (the norm's sum of squares, one merged
+matmul instead of three) and SwiGLU, rounded once instead of twice.
+
+**Optional GEMV** (``gemv=True``, off by default): for at most :data:`GEMV_MAX_ROWS` rows a Triton
+kernel replaces cuBLAS for the projections. Each program reads a strip of ``BLOCK_N`` weight rows
+once, streaming it ``BLOCK_K`` columns at a time, and the down projection computes SwiGLU on the
+fly from the gate/up output (one kernel fewer a layer). Why it might win: on an H200 at batch 1,
+cuBLAS reads the q and o weights at about 35 % of the copy bandwidth, gate and up at about 70 %.
+Whether it does is for :mod:`lmfs.benchmarks.decode_step` (``--gemv``) to measure.
+
+Everything is launched with fixed shapes, without host syncs or host-to-device copies, so a step
+is captured in a CUDA graph as is. The positions of the batch must be below the model's
+``context_length`` (RoPE reads the model's precomputed cos/sin tables).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, row_block, row_warps, tl, triton
+from lmfs.kernels.fused import swiglu
+from lmfs.nn import GatedMLP, Linear, TransformerLM
+from lmfs.nn.layers import RMSNorm
+
+# ----------------------------------------------------------------------------------------------
+# Residual add + RMSNorm
+
+
+@triton.jit
+def residual_rmsnorm_kernel(x_ptr, delta_ptr, ids_ptr, emb_ptr, w_ptr, h_ptr, n_cols, eps, GATHER: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Row ``program_id(0)``: ``x += delta`` (or, with ``GATHER``, ``x = emb[ids[row]]``), written
+    back to ``x``, and ``h = rmsnorm(x)·w``. Rounds where :class:`lmfs.nn.layers.RMSNorm` does: the
+    sum to x's dtype, the normalised row to h's dtype before the gain."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    offsets = row * n_cols + cols
+    if GATHER:  # the first layer: the residual stream starts as the token embeddings
+        token = tl.load(ids_ptr + row).to(tl.int64)
+        x = tl.load(emb_ptr + token * n_cols + cols, mask=mask, other=0.0)
+    else:
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x = x.to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + offsets, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    normed = (x * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offsets, (w * normed).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def residual_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, h: torch.Tensor,
+                     ids: torch.Tensor | None = None, emb: torch.Tensor | None = None) -> None:
+    """``x += delta; h = norm(x)`` for ``(N, d)`` rows in one kernel, in place; with ``ids`` ``(N,)``
+    instead of ``delta``, ``x = emb[ids]`` first."""
+    block = row_block("residual_rmsnorm", x.shape[1])
+    gather = ids is not None
+    residual_rmsnorm_kernel[(x.shape[0],)](x, x if gather else delta, ids if gather else x, emb if gather else x,
+                                           norm.weight, h, x.shape[1], norm.eps, GATHER=gather, BLOCK=block,
+                                           num_warps=row_warps(block))
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE on q and k, k and v into the paged cache
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr):
+    """``v`` rounded to ``dtype`` and back to float32: what storing it in that dtype keeps."""
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotate(src, cos_ptr, sin_ptr, pos, c, mask, HALF: tl.constexpr, ROTATE: tl.constexpr):
+    """One head's two halves from ``src``, rotated by the angles of position ``pos`` (rotate-half
+    convention), each product and the sum rounded to the source dtype as ``apply_rope`` rounds."""
+    dtype = src.dtype.element_ty
+    x1 = tl.load(src + c, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + c, mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:  # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); both halves share the angle
+        cos = tl.load(cos_ptr + pos * (2 * HALF) + c, mask=mask, other=0.0).to(dtype).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * (2 * HALF) + c, mask=mask, other=0.0).to(dtype).to(tl.float32)
+        x1, x2 = (_round(_round(x1 * cos, dtype) - _round(x2 * sin, dtype), dtype),
+                  _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype))
+    return x1, x2
+
+
+@triton.jit
+def rope_cache_kernel(qkv_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H: tl.constexpr,
+                      KV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr):
+    """Program ``(n, j)`` of token ``n``: for ``j < H`` query head ``j`` of ``qkv`` ``(N, (H + 2·KV)·D)``,
+    rotated, into ``q`` ``(N, H, D)``; otherwise KV head ``g = j − H``: the key rotated and the value
+    copied into the caches ``(slots, KV, D)`` at row ``slots[n]``."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    D = 2 * HALF
+    c = tl.arange(0, BLOCK_HALF)
+    mask = c < HALF
+    src = qkv_ptr + n * (H + 2 * KV) * D
+    pos = tl.load(pos_ptr + n).to(tl.int64)
+    if j < H:
+        x1, x2 = _rotate(src + j * D, cos_ptr, sin_ptr, pos, c, mask, HALF, ROTATE)
+        dst = q_ptr + (n * H + j) * D
+        tl.store(dst + c, x1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + c, x2.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        g = j - H
+        row = (tl.load(slots_ptr + n).to(tl.int64) * KV + g) * D
+        x1, x2 = _rotate(src + (H + g) * D, cos_ptr, sin_ptr, pos, c, mask, HALF, ROTATE)
+        tl.store(k_ptr + row + c, x1.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_ptr + row + HALF + c, x2.to(k_ptr.dtype.element_ty), mask=mask)
+        v = src + (H + KV + g) * D
+        tl.store(v_ptr + row + c, tl.load(v + c, mask=mask), mask=mask)
+        tl.store(v_ptr + row + HALF + c, tl.load(v + HALF + c, mask=mask), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Optional GEMV for a few rows
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``y = x Wᵀ`` for ``M <= BLOCK_M`` rows: program ``p`` makes output columns ``p·BLOCK_N ..``,
+    reading its ``BLOCK_N`` rows of ``W`` ``(N, K)`` once, ``BLOCK_K`` columns at a time. With
+    ``SWIGLU`` the input is a gate/up output ``(M, 2K)`` and ``x = silu(gate)·up`` is formed on
+    the fly (rounded to its dtype, as :func:`lmfs.kernels.fused.swiglu` stores it)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok, col_ok = rows < M, cols < N
+    x_width = 2 * K if SWIGLU else K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x_off = rows.to(tl.int64)[:, None] * x_width + ks[None, :]
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + x_off, mask=x_mask, other=0.0)
+        if SWIGLU:
+            g = x.to(tl.float32)
+            u = tl.load(x_ptr + x_off + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if UPCAST:  # the interpreter gets 16-bit arithmetic wrong; a GPU multiplies 16-bit operands
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+#: The most rows the GEMV takes (its tile is ``BLOCK_M = 16`` rows, ``tl.dot``'s smallest); more go to cuBLAS.
+GEMV_MAX_ROWS = 16
+# Output columns per program and columns per step: a 16 × 256 strip of 16-bit weights is 8 KB, and
+# four stages of it keep 32 KB a program in flight; 16 columns give q/o (2048 rows) 128 programs,
+# one per SM of an H200, and gate/up 1024. Not measured against other tiles (GPU-only).
+GEMV_BLOCK_N, GEMV_BLOCK_K = (16, 32) if INTERPRET else (16, 256)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, swiglu_input: bool = False) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` ``(M, K)`` with ``M <= GEMV_MAX_ROWS`` and ``w`` ``(N, K)``, both
+    contiguous, in one Triton kernel; with ``swiglu_input``, ``x`` is ``(M, 2K)`` = ``[gate, up]`` and
+    the result ``swiglu(x) @ w.T``. Returns ``(M, N)`` in ``x``'s dtype."""
+    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    if M > GEMV_MAX_ROWS or x.shape[1] != (2 * K if swiglu_input else K):
+        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not match (at most "
+                         f"{GEMV_MAX_ROWS} rows, swiglu_input={swiglu_input})")
+    y = x.new_empty(M, N)
+    gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N),)](
+        x, w, y, M, N, K, SWIGLU=swiglu_input, UPCAST=INTERPRET,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=GEMV_BLOCK_N,
+        BLOCK_K=GEMV_BLOCK_K, num_warps=4, num_stages=4)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging parameters into one buffer
+
+
+def _rows_of(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The ``(Σ rows, d)`` tensor of which ``params`` are consecutive row blocks, or None if they
+    are not laid out so (separate tensors, other strides, a gap)."""
+    first = params[0]
+    offset = first.storage_offset()
+    for p in params:
+        if (not p.is_contiguous() or p.dtype != first.dtype or p.device != first.device
+                or p.shape[1:] != first.shape[1:]
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or p.storage_offset() != offset):
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in params)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
+@torch.no_grad()
+def merge_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One ``(Σ rows, d)`` tensor holding ``params`` (2-D, same width, dtype, device) one after the
+    other, with every parameter re-pointed at its rows of it (``p.data = merged[a:b]``): identity,
+    shape, ``requires_grad`` and state-dict entries unchanged, in-place updates shared. Parameters
+    already laid out so are left alone (no copy)."""
+    merged = _rows_of(params)
+    if merged is not None:
+        return merged
+    merged = torch.cat([p.detach() for p in params])
+    start = 0
+    for p in params:
+        p.data = merged[start:start + p.shape[0]]
+        start += p.shape[0]
+    return merged
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused decode forward
+
+
+class FusedDecode:
+    """The decode forward of a dense Llama-shaped :class:`~lmfs.nn.TransformerLM` in about ten
+    kernels a layer (module docstring). Prepared once per model: merges each layer's q/k/v and
+    gate/up weights into one buffer each, re-pointing the parameters into it (no second copy;
+    in-place updates of the parameters are seen, state-dict keys and shapes do not change).
+
+    ``fused(model, cache, batch, decode_attention)`` is :func:`lmfs.inference.paged_forward` for
+    decode batches (one token per sequence): it writes the new keys and values into ``cache`` at
+    ``batch.slots`` and returns the logits ``(R, V)`` (rows ``batch.logit_rows``, all if None) in
+    the model's dtype. ``gemv``: a Triton GEMV instead of cuBLAS for batches of at most
+    :data:`GEMV_MAX_ROWS` tokens (off by default; see the module docstring).
+    """
+
+    def __init__(self, model, gemv: bool = False):
+        reason = self.supports(model)
+        if reason is not None:
+            raise ValueError(f"FusedDecode cannot run this model ({reason}); decode it with "
+                             "lmfs.inference.paged_forward")
+        self.gemv = gemv
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._prepare(model)
+
+    @staticmethod
+    def supports(model) -> str | None:
+        """None if ``model`` can take the fused path, otherwise why not (a short phrase)."""
+        if not isinstance(model, TransformerLM):
+            return f"not an lmfs TransformerLM but a {type(model).__name__}"
+        c = model.config
+        reasons = [
+            (c.attention == "mla", "MLA caches latents"),
+            (c.moe_experts > 0, "MoE feed-forward"),
+            (c.qk_norm, "QK-norm"),
+            (c.attn_softcap is not None, "soft-capped attention"),
+            (c.window is not None, "sliding window"),
+            (c.positions in ("learned", "sinusoidal"), f"{c.positions} positions"),
+            (c.bias, "biases"),
+            (c.parallel, "parallel blocks"),
+            (c.norm_position == "post", "post-norm"),
+            (c.norm_position == "double", "sandwich norms"),
+            (c.norm == "layer", "LayerNorm"),
+            (c.ffn != "swiglu", f"{c.ffn} feed-forward (only SwiGLU is fused)"),
+        ]
+        for applies, reason in reasons:
+            if applies:
+                return reason
+        for block in model.blocks:
+            attn, mlp = block.attn, block.mlp
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+            if not isinstance(mlp, GatedMLP) or mlp.act is not F.silu:
+                return f"feed-forward {type(mlp).__name__} is not a SwiGLU GatedMLP"
+            if not all(isinstance(m, Linear) for m in (*linears, mlp.gate, mlp.up, mlp.down)):
+                return "quantised or replaced linear layers"
+            if not all(isinstance(n, RMSNorm) for n in block.norms):
+                return "norms other than RMSNorm"
+        weights = list(model.parameters())
+        dtype, device = weights[0].dtype, weights[0].device
+        if any(p.dtype != dtype or p.device != device for p in weights):
+            return "parameters of mixed dtypes or devices"
+        if dtype not in FLOAT_DTYPES:
+            return f"dtype {dtype}"
+        if not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
+            return f"weights on {device}, where the Triton kernels do not run"
+        return None
+
+    @staticmethod
+    def _merged_weights(block) -> tuple[list, list]:
+        attn, mlp = block.attn, block.mlp
+        return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], [mlp.gate.weight, mlp.up.weight]
+
+    def _prepare(self, model) -> None:
+        """(Re)merge every layer's q/k/v and gate/up weights."""
+        self._layers = [tuple(merge_rows(ws) for ws in self._merged_weights(block)) for block in model.blocks]
+
+    def _stale(self, model) -> bool:
+        """Whether some merged parameter no longer lives in its buffer (the model was cast or moved,
+        or a parameter replaced): host-side pointer checks only, no device work."""
+        if len(self._layers) != len(model.blocks):
+            return True
+        for block, merged in zip(model.blocks, self._layers):
+            for params, buffer in zip(self._merged_weights(block), merged):
+                start = buffer.data_ptr()
+                for p in params:
+                    if p.data_ptr() != start or p.dtype != buffer.dtype:
+                        return True
+                    start += p.numel() * p.element_size()
+        return False
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.gemv and x.shape[0] <= GEMV_MAX_ROWS:
+            return gemv(x, w)
+        return x @ w.T
+
+    def _down(self, gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.gemv and gate_up.shape[0] <= GEMV_MAX_ROWS:
+            return gemv(gate_up, w, swiglu_input=True)
+        return swiglu(gate_up) @ w.T
+
+    @torch.no_grad()
+    def __call__(self, model, cache, batch, decode_attention) -> torch.Tensor:
+        if not batch.decode or cache.mla:
+            raise ValueError("FusedDecode runs decode batches (one new token per sequence) over a K/V paged "
+                             "cache; use lmfs.inference.paged_forward for prefill")
+        if self._stale(model):
+            self._prepare(model)
+        cfg = model.config
+        N, d = batch.tokens.shape[0], cfg.d_model
+        H, KV, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        emb = model.tok_emb.weight
+        x = emb.new_empty(N, d)   # the residual stream
+        h = emb.new_empty(N, d)   # its normed copy, the input of each branch
+        rope = model.blocks[0].attn.rope
+        delta = None
+        for layer, (block, (w_qkv, w_gate_up)) in enumerate(zip(model.blocks, self._layers)):
+            attn, k_cache, v_cache = block.attn, cache.k[layer], cache.v[layer]
+            if layer == 0:
+                residual_rmsnorm(x, None, block.norms[0], h, ids=batch.tokens, emb=emb)
+            else:
+                residual_rmsnorm(x, delta, block.norms[0], h)
+            qkv = self._linear(h, w_qkv)
+            q = qkv.new_empty(N, H, hd)
+            cos, sin = (rope.cos, rope.sin) if rope is not None else (qkv, qkv)   # unread without RoPE
+            rope_cache_kernel[(N, H + KV)](qkv, batch.positions, batch.slots, cos, sin, q, k_cache, v_cache, H=H,
+                                           KV=KV, HALF=hd // 2, BLOCK_HALF=triton.next_power_of_2(hd // 2),
+                                           ROTATE=rope is not None, num_warps=1)
+            out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)   # (N, H, hd)
+            residual_rmsnorm(x, self._linear(out.to(h.dtype).reshape(N, H * hd), attn.o_proj.weight),
+                             block.norms[1], h)
+            delta = self._down(self._linear(h, w_gate_up), block.mlp.down.weight)
+        residual_rmsnorm(x, delta, model.final_norm, h)
+        if batch.logit_rows is not None:
+            h = h[batch.logit_rows]
+        return model.head(h)
+
+
+__all__ = ["FusedDecode", "residual_rmsnorm", "residual_rmsnorm_kernel", "rope_cache_kernel", "gemv", "gemv_kernel",
+           "merge_rows", "GEMV_MAX_ROWS"]

@@ -1,0 +1,278 @@
+"""lmfs.kernels.decode.FusedDecode against lmfs.inference.paged_forward on decode batches.
+
+On the CPU the Triton kernels run in the interpreter: a small model (d_model 64, 2 layers, 4 query
+heads), block size 4, a few sequences whose new token sits at the start, middle and end of a block.
+Both paths start from the same cache contents; the logits and every cache entry must agree.
+"""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from helpers import DEVICE
+
+from lmfs.inference import PagedBatch, PagedKVCache, paged_forward
+from lmfs.inference.kv_cache import paged_attention_reference
+from lmfs.kernels.decode import GEMV_MAX_ROWS, FusedDecode, gemv, merge_rows
+from lmfs.kernels.paged_attention import paged_decode_attention
+from lmfs.nn import TransformerConfig, TransformerLM
+
+BASE = TransformerConfig(vocab_size=64, context_length=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)
+BLOCK_SIZE = 4
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def build(dtype=torch.float32, device=DEVICE, seed=0, **fields) -> TransformerLM:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = TransformerLM(dataclasses.replace(BASE, **fields))
+    with torch.no_grad():  # norm gains away from 1, so that a gain read from the wrong place shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.to(dtype).eval()
+
+
+def decode_setup(model, lengths, seed=0):
+    """A paged cache holding random keys/values for ``lengths[b] - 1`` earlier tokens of each
+    sequence (blocks handed out in a shuffled order), and the decode batch of each sequence's
+    next token at position ``lengths[b] - 1``."""
+    cfg, p = model.config, next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-max(lengths) // BLOCK_SIZE)
+    cache = PagedKVCache(cfg, 1 + per_seq * len(lengths), BLOCK_SIZE, device=p.device, dtype=p.dtype)
+    for buffers in (cache.k, cache.v):
+        for b in buffers:
+            b.copy_(torch.randn(b.shape, generator=gen))
+    order = torch.randperm(per_seq * len(lengths), generator=gen) + 1   # block 0 is the scratch block
+    tables = order.view(len(lengths), per_seq).to(device=p.device, dtype=torch.int32)
+    pos = torch.tensor(lengths, device=p.device) - 1
+    slots = tables.long().gather(1, (pos // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + pos % BLOCK_SIZE
+    tokens = torch.randint(0, cfg.vocab_size, (len(lengths),), generator=gen).to(p.device)
+    return cache, PagedBatch(tokens, pos, slots, block_tables=tables, seq_lens=(pos + 1).int())
+
+
+def assert_same_step(model, lengths, attention=paged_attention_reference, fused=None, logit_rows=None):
+    cache, batch = decode_setup(model, lengths)
+    batch.logit_rows = logit_rows
+    cache2 = copy.deepcopy(cache)
+    expected = paged_forward(model, cache, batch, attention)
+    got = (fused or FusedDecode(model))(model, cache2, batch, attention)
+    tol = TOLERANCE[expected.dtype]
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, **tol)
+    for layer in range(model.config.n_layers):
+        torch.testing.assert_close(cache2.k[layer], cache.k[layer], **tol)
+        torch.testing.assert_close(cache2.v[layer], cache.v[layer], **tol)
+    return got
+
+
+# ----------------------------------------------------------------------------------------------
+# Same logits and cache as paged_forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])   # MHA, GQA, MQA
+def test_fused_decode_matches_paged_forward(dtype, n_kv_heads):
+    model = build(dtype, n_kv_heads=n_kv_heads)
+    # New tokens at the first, second and last slot of a block and the first of a third block.
+    assert_same_step(model, [1, 4, 5, 9, 2])
+    assert_same_step(model, [7])
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_decode_head_and_logit_rows(tie):
+    model = build(tie_embeddings=tie)
+    got = assert_same_step(model, [3, 8, 6], logit_rows=torch.tensor([2, 0], device=DEVICE))
+    assert got.shape == (2, model.config.vocab_size)
+
+
+def test_fused_decode_with_the_triton_attention_kernel_and_other_variants():
+    assert_same_step(build(), [5, 12, 1], attention=paged_decode_attention)
+    assert_same_step(build(positions="none"), [5, 2])                     # NoPE: k and q not rotated
+    assert_same_step(build(logit_softcap=5.0, rope_theta=500.0), [6, 3])  # the model's own head soft-caps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_path_matches(dtype):
+    model = build(dtype)
+    assert_same_step(model, [1, 4, 5, 9, 2], fused=FusedDecode(model, gemv=True))
+    g = torch.Generator().manual_seed(0)
+    x, w, gu = (torch.randn(s, generator=g).to(DEVICE, dtype) for s in ((3, 40), (37, 40), (3, 80)))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(gemv(x, w), (x.float() @ w.float().T).to(dtype), **tol)
+    swiglu_ref = (torch.nn.functional.silu(gu[:, :40].float()) * gu[:, 40:].float()).to(dtype)
+    torch.testing.assert_close(gemv(gu, w, swiglu_input=True), (swiglu_ref.float() @ w.float().T).to(dtype), **tol)
+    with pytest.raises(ValueError, match="at most"):
+        gemv(x.new_zeros(GEMV_MAX_ROWS + 1, 40), w)
+
+
+def test_fused_decode_refuses_prefill_batches():
+    model = build()
+    from lmfs.inference import gathered_batch
+    cache, _ = decode_setup(model, [3])
+    batch = gathered_batch([([1, 2, 3], 0, [1])], BLOCK_SIZE, None, DEVICE)
+    with pytest.raises(ValueError, match="decode batches"):
+        FusedDecode(model)(model, cache, batch, paged_attention_reference)
+
+
+# ----------------------------------------------------------------------------------------------
+# What it supports
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(attention="mla", kv_latent_dim=16), "MLA"),
+    (dict(moe_experts=4), "MoE"),
+    (dict(qk_norm=True), "QK-norm"),
+    (dict(attn_softcap=30.0), "soft-capped attention"),
+    (dict(window=8), "sliding window"),
+    (dict(positions="learned"), "learned positions"),
+    (dict(positions="sinusoidal"), "sinusoidal positions"),
+    (dict(bias=True), "biases"),
+    (dict(parallel=True), "parallel blocks"),
+    (dict(norm_position="post"), "post-norm"),
+    (dict(norm_position="double"), "sandwich"),
+    (dict(norm="layer"), "LayerNorm"),
+    (dict(ffn="geglu"), "geglu"),
+    (dict(ffn="gelu"), "gelu"),
+])
+def test_supports_names_the_reason(fields, reason):
+    model = build(**fields)
+    why = FusedDecode.supports(model)
+    assert why is not None and reason in why
+    with pytest.raises(ValueError, match=reason):
+        FusedDecode(model)
+
+
+def test_supports_plain_llama_and_refuses_quantised_or_other_models():
+    model = build()
+    assert FusedDecode.supports(model) is None
+    assert "not an lmfs TransformerLM" in FusedDecode.supports(torch.nn.Linear(2, 2))
+    from lmfs.inference.quantize import quantize_model
+    assert "quantised" in FusedDecode.supports(quantize_model(build(), bits=8, group_size=32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters: identity, state dict, in-place updates
+
+
+def test_merging_keeps_parameters_and_sees_in_place_updates():
+    model = build()
+    before = {name: p for name, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fused = FusedDecode(model)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    new_state = model.state_dict()
+    assert new_state.keys() == state.keys()
+    assert all(new_state[k].shape == state[k].shape and torch.equal(new_state[k], state[k]) for k in state)
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    qkv, gate_up = fused._layers[0]
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert mlp.up.weight.data_ptr() == gate_up[mlp.gate.weight.shape[0]:].data_ptr()
+    # Preparing again (a second engine on the same model) copies nothing.
+    assert FusedDecode(model)._layers[0][0].data_ptr() == qkv.data_ptr()
+
+    # An optimizer step changes the parameters in place; the next fused call must use the new values.
+    model.requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    logits, _ = model(torch.randint(0, 64, (1, 6), device=DEVICE))
+    logits.square().mean().backward()
+    opt.step()
+    model.requires_grad_(False)
+    assert not torch.equal(model.blocks[0].attn.v_proj.weight, state["blocks.0.attn.v_proj.weight"])
+    assert_same_step(model, [4, 7], fused=fused)
+    # load_state_dict copies into the merged buffers too.
+    model.load_state_dict(state)
+    assert torch.equal(qkv[-attn.v_proj.weight.shape[0]:], state["blocks.0.attn.v_proj.weight"])
+    assert_same_step(model, [4, 7], fused=fused)
+
+
+def test_replaced_parameters_are_merged_again():
+    model = build()
+    fused = FusedDecode(model)
+    model.half().float()   # every parameter gets new storage: the merge must be redone on the next call
+    assert fused._stale(model)
+    assert_same_step(model, [3, 5], fused=fused)
+    assert not fused._stale(model)
+
+
+def test_merge_rows_views_and_errors():
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(2, 4))
+    values = torch.cat([a.detach(), b.detach()])
+    merged = merge_rows([a, b])
+    assert torch.equal(merged, values) and merged.shape == (5, 4)
+    b.data.add_(1)
+    assert torch.equal(merged[3:], values[3:] + 1)
+    assert merge_rows([a, b]).data_ptr() == merged.data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16, the 1B model's layer widths (2 layers), the Triton attention kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemv_path", [False, True])
+def test_fused_decode_gpu_llama_widths(gemv_path):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=32_000, context_length=2048, d_model=2048, n_layers=2, n_heads=32,
+                            n_kv_heads=8, d_ff=8192)
+    model = TransformerLM(cfg).cuda().to(torch.bfloat16).eval()
+    exact = copy.deepcopy(model).float()      # the same bf16 weights, computed in float32
+    fused = FusedDecode(model, gemv=gemv_path)
+    for lengths in ([1], [300], [17, 512, 1, 64, 200, 33, 2, 1000]):
+        cache, batch = decode_setup(model, lengths)
+        cache2, cache32 = copy.deepcopy(cache), copy.deepcopy(cache)
+        cache32.k, cache32.v = [k.float() for k in cache.k], [v.float() for v in cache.v]
+        expected = paged_forward(model, cache, batch, paged_decode_attention)
+        got = fused(model, cache2, batch, paged_decode_attention)
+        reference = paged_forward(exact, cache32, batch, paged_attention_reference)
+        assert got.dtype == torch.bfloat16
+        # Both bf16 paths round differently (merged matmuls pick other cuBLAS kernels), so neither is
+        # the truth: the fused path must be as close to the float32 computation as the plain one is.
+        plain_error = (expected.float() - reference).abs().max().item()
+        fused_error = (got.float() - reference).abs().max().item()
+        assert fused_error <= 1.5 * plain_error + 1e-2, (fused_error, plain_error)
+        for layer in range(2):   # the cached keys and values: as close to float32's as the plain path's
+            for fused_c, plain_c, exact_c in ((cache2.k, cache.k, cache32.k), (cache2.v, cache.v, cache32.v)):
+                plain_error = (plain_c[layer].float() - exact_c[layer]).abs().max().item()
+                fused_error = (fused_c[layer].float() - exact_c[layer]).abs().max().item()
+                assert fused_error <= 1.5 * plain_error + 1e-2, (layer, fused_error, plain_error)
+    # Captured in a CUDA graph and replayed: the same logits as the direct call.
+    cache, batch = decode_setup(model, [100, 7])
+    direct = fused(model, copy.deepcopy(cache), batch, paged_decode_attention)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused(model, cache, batch, paged_decode_attention)   # warm-up: Triton compiles, autotunes
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fused(model, cache, batch, paged_decode_attention)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static, direct)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def test_decode_step_benchmark_runs(tmp_path, capsys):
+    """The tiny CPU run; on a GPU machine one batch size of the real model (the kernels do not run
+    on CPU tensors there)."""
+    from lmfs.benchmarks import decode_step
+
+    path = tmp_path / "decode_step.json"
+    cuda = torch.cuda.is_available()
+    gpu_args = ["--batches", "1", "--repeats", "3"] if cuda else []
+    result = decode_step.main(["--json", str(path), "--profile", *gpu_args])
+    saved = json.loads(path.read_text())
+    assert [row["batch"] for row in saved["rows"]] == ([1] if cuda else [1, 8])
+    for row in result["rows"]:
+        assert row["plain_ms"] > 0 and row["fused_ms"] > 0 and row["fused_over_plain"] > 0
+        assert row["max_abs_logit_diff"] < (0.25 if cuda else 1e-3)   # bf16 on a GPU, float32 here
+    assert "fused / plain" in capsys.readouterr().out
