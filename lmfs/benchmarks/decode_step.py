@@ -36,6 +36,7 @@ from lmfs.bench.probes import copy_bandwidth
 from lmfs.bench.timing import benchmark, profile_table
 from lmfs.benchmarks.inference import LLAMA_1B, TINY, build_model
 from lmfs.inference import PagedBatch, PagedKVCache, kv_bytes_per_token, paged_forward
+from lmfs.inference.runner import capture_graph
 from lmfs.inference.quantize import model_weight_bytes
 from lmfs.kernels.decode import FusedDecode
 from lmfs.kernels.paged_attention import paged_decode_attention
@@ -63,15 +64,7 @@ def captured(step, device: torch.device):
     stream, which compile and autotune the Triton kernels), or on the CPU ``step`` itself."""
     if device.type != "cuda":
         return step, step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step, device)
     return graph.replay, out
 
 

@@ -54,7 +54,7 @@ import torch
 
 from lmfs.inference.kv_cache import (BlockAllocator, KVCache, PagedKVCache, kv_bytes_per_token,
                                      paged_attention_reference)
-from lmfs.inference.runner import PagedBatch, forward_cached, gathered_batch, paged_forward
+from lmfs.inference.runner import PagedBatch, capture_graph, forward_cached, gathered_batch, paged_forward
 from lmfs.inference.sampling import SamplingParams, draw_uniforms, sample, sample_scaled
 
 
@@ -485,7 +485,7 @@ class LLM:
         s["prefill_tokens"] += batch.tokens.numel()
         s["shared_prefix_tokens"] += sum(r.cached for r in admitted)
         s["prefill_steps"] += 1
-        events = self._accept(admitted, *_to_host(next_ids, logprobs), running)
+        events = self._accept(admitted, *_pack(next_ids, logprobs).tolist(), running)
         s["prefill_seconds"] += time.perf_counter() - start
         return events
 
@@ -545,7 +545,7 @@ class LLM:
             pb = gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in batch],
                                 self.block_size, self.config.window, self.device)
             next_ids, logprobs = self._sample(batch, paged_forward(self.model, self.cache, pb))
-            drawn, wait = torch.stack([next_ids.double(), logprobs.double()]), True
+            drawn, wait = _pack(next_ids, logprobs), True
         else:
             state = self._batch_state(batch)
             uniforms = None
@@ -556,7 +556,7 @@ class LLM:
             if not state["plain"]:   # filters or penalties: sample from the logits
                 next_ids, logprobs = self._sample(batch, logits)
                 self.last_token[state["rows"]] = next_ids
-                drawn = torch.stack([next_ids.double(), logprobs.double()])
+                drawn = _pack(next_ids, logprobs)
             wait = state["host_tokens"] or not self.overlap
         for r in batch:
             r.device_len += 1
@@ -659,7 +659,7 @@ class LLM:
         # padded rows wrote here: keep the dummy row at position 0 (zero_ on a view, since indexing with
         # a Python int and assigning a number copies from the host, which a CUDA graph cannot capture)
         self.positions.narrow(0, self.dummy, 1).zero_()
-        return logits, torch.stack([next_ids.double(), logprobs.double()])
+        return logits, _pack(next_ids, logprobs)
 
     def _decode_step(self, state: dict, uniforms: torch.Tensor | None,
                      width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -691,17 +691,10 @@ class LLM:
         static_rows = torch.full((size,), self.dummy, dtype=torch.long, device=self.device)
         static_temps = torch.ones(size, device=self.device)
         static_uniforms = torch.full((size,), 0.5, device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):             # warm-up (kernel selection, Triton autotuning)
-            for _ in range(2):
-                self._step(static_rows, static_temps, static_uniforms)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            static_logits, static_drawn = self._step(static_rows, static_temps, static_uniforms)
+        graph, (static_logits, static_drawn) = capture_graph(
+            lambda: self._step(static_rows, static_temps, static_uniforms), self.device, self._graph_pool)
         return graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn
 
     def _weight_addresses(self) -> tuple:
@@ -745,9 +738,10 @@ def graph_batch_size(n: int) -> int:
     return -(-n // step) * step
 
 
-def _to_host(next_ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[float]]:
-    """Ids and log-probs ``(B,)`` as two host lists, in one copy."""
-    return torch.stack([next_ids.double(), logprobs.double()]).tolist()
+def _pack(next_ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Sampled ids and their log-probs ``(B,)`` as one ``(2, B)`` float64 tensor, so that the host
+    reads both in one copy (float64 holds every token id exactly)."""
+    return torch.stack([next_ids.double(), logprobs.double()])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -790,7 +784,7 @@ def generate_static(model, prompts, params: SamplingParams | Sequence[SamplingPa
             params = [r.params for r in batch]
             previous = [r.tokens for r in batch] if any(p.repetition_penalty != 1 for p in params) else None
             next_ids, logprobs = sample(logits, params, [r.generator for r in batch], previous)
-            ids, lps = _to_host(next_ids, logprobs)
+            ids, lps = _pack(next_ids, logprobs).tolist()
             for r, t, lp in zip(batch, ids, lps):
                 if r.finish_reason is None:
                     r.out.append(int(t))

@@ -290,3 +290,24 @@ def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAtten
     if batch.logit_rows is not None:
         x = x[:, batch.logit_rows]
     return model.head(x)[0]
+
+
+def capture_graph(step: Callable[[], object], device: torch.device, pool=None,
+                  warmup: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Capture ``step()`` (no host sync, fixed shapes, e.g. a :func:`paged_forward` decode call) in a
+    CUDA graph on ``device``; returns ``(graph, output)``: ``graph.replay()`` reruns it and rewrites
+    ``output``'s tensors in place. Two warm-up calls (``warmup``, default ``step``) run first on a
+    side stream: they pick the kernels and compile and autotune the Triton ones, none of which may
+    happen during capture. ``pool``: a memory pool shared with other graphs
+    (``torch.cuda.graph_pool_handle()``)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            (warmup or step)()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output
+

@@ -52,7 +52,7 @@ import math
 import torch
 
 from lmfs.inference.kv_cache import PagedKVCache
-from lmfs.inference.runner import PagedBatch, paged_forward
+from lmfs.inference.runner import PagedBatch, capture_graph, paged_forward
 from lmfs.inference.sampling import SamplingParams, sample_scaled
 from lmfs.nn.generate import top_k_filter, top_p_filter
 
@@ -222,17 +222,11 @@ class SpeculativeDecoder:
     def _capture(self) -> torch.cuda.CUDAGraph:
         """Capture :meth:`_round` after two warm-up rounds on a side stream (kernel selection, the
         allocator's pool); they write into the caches, which :meth:`generate` refills anyway."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.pos.zero_()
-                self._round()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        def warmup():
+            self.pos.zero_()
             self._round()
-        return graph
+
+        return capture_graph(self._round, self.device, warmup=warmup)[0]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int,
