@@ -181,7 +181,7 @@ def test_bench_command_lists_and_rejects(capsys):
     assert "attention" in capsys.readouterr().out
     assert bench_main(["nonsense"]) == 2
     assert set(BENCHMARKS) == {"bpe", "train-step", "probes", "kernels", "attention", "collectives",
-                               "data-parallel", "moe", "decode-step", "inference", "sweep", "evaluation",
+                               "data-parallel", "moe", "decode-step", "paged-attention", "inference", "sweep", "evaluation",
                                "extraction", "dedup", "grpo"}
     with pytest.raises(SystemExit) as exit_info:
         bench_main(["probes", "--help"])

@@ -276,3 +276,51 @@ def test_decode_step_benchmark_runs(tmp_path, capsys):
         assert row["plain_ms"] > 0 and row["fused_ms"] > 0 and row["fused_over_plain"] > 0
         assert row["max_abs_logit_diff"] < (0.25 if cuda else 1e-3)   # bf16 on a GPU, float32 here
     assert "fused / plain" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# Under autocast: float32 weights, 16-bit activations and cache (lmfs.inference.LLM(autocast=...))
+
+@pytest.mark.parametrize("n_kv_heads", [2, 4])
+def test_fused_decode_under_autocast_matches_the_models_forward(n_kv_heads):
+    """A float32 model decoding under bf16 autocast (what GRPO rollouts do): the merged q/k/v and
+    gate/up matmuls read their float32 weights through autocast's casts, the Triton kernels take
+    the bf16 activations and write the bf16 cache. The logits of each sequence's last token equal
+    the model's own uncached forward under the same autocast, and paged_forward's, to bf16 precision;
+    the weights stay float32."""
+    from lmfs.inference import gathered_batch
+
+    model = build(n_kv_heads=n_kv_heads)
+    device, cfg = next(model.parameters()).device, model.config
+    lengths = [3, 6, 9, 13]
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    per_seq = -(-max(lengths) // BLOCK_SIZE)
+    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(len(seqs))]
+    cache = PagedKVCache(cfg, 1 + per_seq * len(seqs), BLOCK_SIZE, device=device, dtype=torch.bfloat16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    with autocast:   # prefill everything but each sequence's last token
+        paged_forward(model, cache, gathered_batch([(s[:-1], 0, t) for s, t in zip(seqs, tables)], BLOCK_SIZE,
+                                                   None, device))
+    pos = torch.tensor(lengths, device=device) - 1
+    table = torch.tensor(tables, device=device, dtype=torch.int32)
+    slots = table.long().gather(1, (pos // BLOCK_SIZE)[:, None])[:, 0] * BLOCK_SIZE + pos % BLOCK_SIZE
+    batch = PagedBatch(torch.tensor([s[-1] for s in seqs], device=device), pos, slots, block_tables=table,
+                       seq_lens=(pos + 1).int())
+    plain_cache = copy.deepcopy(cache)
+    fused = FusedDecode(model)
+    with autocast:
+        got = fused(model, cache, batch, paged_attention_reference)
+        plain = paged_forward(model, plain_cache, batch, paged_attention_reference)
+        with torch.no_grad():
+            own = torch.cat([model(torch.tensor([s], device=device))[0][:, -1] for s in seqs])
+    assert got.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in model.parameters())
+    assert cache.k[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), own.float(), **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(got.float(), plain.float(), **TOLERANCE[torch.bfloat16])
+    for layer in range(cfg.n_layers):   # the new token's keys and values, written by the RoPE kernel
+        torch.testing.assert_close(cache.k[layer].float(), plain_cache.k[layer].float(), **TOLERANCE[torch.bfloat16])
+        torch.testing.assert_close(cache.v[layer].float(), plain_cache.v[layer].float(), **TOLERANCE[torch.bfloat16])
+    with torch.no_grad():   # and differ from float32 logits beyond fp32 rounding: autocast applied
+        fp32 = torch.cat([model(torch.tensor([s], device=device))[0][:, -1] for s in seqs])
+    assert (got.float() - fp32).abs().max() > 1e-4

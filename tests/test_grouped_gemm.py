@@ -54,6 +54,26 @@ def test_grouped_matmul_all_groups_empty():
     assert dw.shape == (3, 24, 8) and dw.abs().max() == 0
 
 
+@pytest.mark.parametrize("gather_x,gather_dy", [(True, False), (False, True), (True, True)])
+def test_weight_grad_reads_rows_through_indices(gather_x, gather_dy):
+    """``_weight_grad`` with ``rows`` (x read through indices) and ``dy_rows`` (dy read through
+    indices, as the fused MoE reads its output's gradient per token) against the loop of matmuls
+    on gathered copies; the sources have other row counts than the product, indices repeat."""
+    from lmfs.kernels.grouped_gemm import _group_offsets, _weight_grad
+
+    sizes, K, M = [0, 21, 3, 0, 17], 20, 33
+    N = sum(sizes)
+    g = torch.Generator().manual_seed(2)
+    x_rows, dy_rows = torch.randint(7, (N,), generator=g).to(DEVICE), torch.randint(9, (N,), generator=g).to(DEVICE)
+    x, dy = randn(7 if gather_x else N, K, seed=3), randn(9 if gather_dy else N, M, seed=4)
+    x_full, dy_full = x[x_rows] if gather_x else x, dy[dy_rows] if gather_dy else dy
+    offsets = _group_offsets(torch.tensor(sizes, device=DEVICE))
+    got = _weight_grad(x, dy, offsets, len(sizes), 0, rows=x_rows if gather_x else None,
+                       dy_rows=dy_rows if gather_dy else None)
+    want = torch.stack([a.T @ b for a, b in zip(x_full.split(sizes), dy_full.split(sizes))])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_torch_grouped_matmul_peer():
     """PyTorch's grouped matmul where this torch has one (checked against our kernel, forward and
     backward); otherwise the wrapper must say so. Row strides are multiples of 16 bytes, as it needs."""

@@ -575,3 +575,72 @@ def test_decode_step_moves_nothing_between_host_and_device(temperature):
     outs = llm.generate(random_prompts([5, 9, 3]), SamplingParams(max_tokens=6, temperature=temperature, seed=0))
     assert all(len(o.token_ids) == 6 for o in outs)
     assert not found, f"the decode step copies between host and device (fails under CUDA graph capture): {found}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Autocast: rollouts in the dtype a training step under autocast computes in
+
+def _forward_logprobs(model, prompts, outs, autocast):
+    """log p of each generated token under the model's own (uncached) forward, in ``autocast`` (None: off)."""
+    device = next(model.parameters()).device
+    result = []
+    for prompt, out in zip(prompts, outs):
+        seq = torch.tensor([prompt + out.token_ids], device=device)
+        with torch.no_grad(), torch.autocast(device.type, dtype=autocast or torch.bfloat16,
+                                             enabled=autocast is not None):
+            logits = model(seq[:, :-1])[0][0, len(prompt) - 1:].float()
+        result.append(torch.log_softmax(logits, -1).gather(-1, seq[0, len(prompt):, None])[:, 0].cpu())
+    return result
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla", "fused"])
+def test_engine_autocast_matches_the_forward_under_autocast(variant):
+    """LLM(autocast=bf16) on float32 weights: the KV cache holds bf16 and the sampled tokens' log-probs
+    are those of the model's own forward under the same autocast (to bf16 precision), not the fp32
+    ones; prefill, the plain decode step, the gathered path (MLA) and the fused decode forward."""
+    model = tiny(**VARIANTS["mla" if variant == "mla" else "gqa"])
+    prompts = random_prompts([3, 11, 6])
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=4, logprobs=True)
+    if variant == "fused":
+        pytest.importorskip("lmfs.kernels.decode")
+    llm = LLM(model, block_size=4, autocast=torch.bfloat16, fused_decode=variant == "fused")
+    assert all(t.dtype == torch.bfloat16 for t in llm.cache.k) and next(model.parameters()).dtype == torch.float32
+    outs = llm.generate(prompts, params)
+    assert llm.stats["fused_decode"] is (variant == "fused")
+    engine = [torch.tensor(o.logprobs) for o in outs]
+    same = _forward_logprobs(model, prompts, outs, torch.bfloat16)
+    fp32 = _forward_logprobs(model, prompts, outs, None)
+    gap_same = max((a - b).abs().max().item() for a, b in zip(engine, same))
+    gap_fp32 = max((a - b).abs().max().item() for a, b in zip(engine, fp32))
+    # bf16 keeps 8 bits: log-probs near -4.5 agree to a few units of 2^-8 · 4.5 ≈ 0.02, here to ~1e-3;
+    # the fp32 forward differs by about as much, and it must differ at all (autocast applied)
+    assert gap_same < 1e-2, gap_same
+    assert gap_fp32 > 1e-4, "the engine's log-probs equal the fp32 forward's: autocast did not apply"
+    with pytest.raises(ValueError, match="autocast"):
+        LLM(model, autocast=torch.int8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_decode", [False, "auto"])
+def test_autocast_graphs_cast_the_weights_of_each_replay_gpu(fused_decode):
+    """With autocast the captured decode step casts the float32 weights at every replay: after an
+    in-place update (an optimizer step) the log-probs are those of the updated model's forward under
+    the same autocast, with and without the fused decode forward."""
+    model = tiny(n_kv_heads=2).cuda()
+    prompts = random_prompts([5, 8, 3, 12, 20])
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=2, logprobs=True)
+    llm = LLM(model, autocast=torch.bfloat16, fused_decode=fused_decode)
+    assert all(t.dtype == torch.bfloat16 for t in llm.cache.k)
+    before = None
+    for _ in range(2):
+        outs = llm.generate(prompts, params)
+        assert llm.stats["cuda_graphs"] and llm._graphs
+        engine = [torch.tensor(o.logprobs) for o in outs]
+        same = _forward_logprobs(model, prompts, outs, torch.bfloat16)
+        assert max((a - b).abs().max().item() for a, b in zip(engine, same)) < 2e-2
+        if before is not None:
+            assert [o.token_ids for o in outs] != before, "the update changed nothing: the test tests nothing"
+        before = [o.token_ids for o in outs]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)

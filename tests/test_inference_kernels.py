@@ -120,11 +120,12 @@ def brute_force_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=Non
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (6, 1)])  # MHA, GQA, MQA
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_decode_attention_matches_brute_force(n_heads, n_kv_heads, block_size):
+@pytest.mark.parametrize("config", [None, (16, 4, 2)])  # one wide step per sequence; many narrow ones
+def test_paged_decode_attention_matches_brute_force(n_heads, n_kv_heads, block_size, config):
     head_dim, seq_lens = 24, [1, 37, 70]  # head_dim not a power of two; lengths spanning 1 to many blocks
     k, v, tables, lens = paged_cache(seq_lens, block_size, n_kv_heads, head_dim)
     q = randn(len(seq_lens), n_heads, head_dim, seed=7)
-    out = paged_decode_attention(q, k, v, tables, lens)
+    out = paged_decode_attention(q, k, v, tables, lens, num_splits=1, config=config)
     expected = brute_force_attention(q, k, v, tables, lens)
     torch.testing.assert_close(out.double().cpu(), expected, atol=1e-5, rtol=1e-5)
 
@@ -158,10 +159,37 @@ def test_paged_decode_attention_split_matches_reference(dtype, n_heads, n_kv_hea
     q = randn(4, n_heads, 24, seed=11, dtype=dtype)
     expected = paged_attention_reference(q, k, v, tables, lens)
     atol, rtol = TOL[dtype]
-    for splits in (2, 8):
-        out = paged_decode_attention(q, k, v, tables, lens, num_splits=splits)
+    for splits, config in ((2, None), (8, None), (2, (16, 4, 2))):  # the last: several steps per split
+        out = paged_decode_attention(q, k, v, tables, lens, num_splits=splits, config=config)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (8, 2), (16, 2)])  # MHA, GQA groups of 4 and 8
+def test_paged_decode_attention_large_batch_short_context(n_heads, n_kv_heads):
+    """Rollout-like: many sequences, each a few tokens to a few blocks long (lengths 1 .. 40, so
+    every position of a 16-token block ends some sequence), in a table as wide as a long context
+    (unused columns point at block 0); the tile is the one chosen from the shapes."""
+    g = torch.Generator().manual_seed(13)
+    seq_lens = [1 + i for i in torch.randperm(40, generator=g).tolist()]
+    k, v, tables, lens = paged_cache(seq_lens, 16, n_kv_heads, 16, dtype=torch.bfloat16, seed=6)
+    tables = torch.cat([tables, torch.zeros(40, 29, dtype=tables.dtype, device=tables.device)], dim=1)  # 32 columns
+    q = randn(40, n_heads, 16, seed=14, dtype=torch.bfloat16)
+    out = paged_decode_attention(q, k, v, tables, lens)
+    expected = paged_attention_reference(q.float(), k.float(), v.float(), tables, lens)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double().cpu(), brute_force_attention(q, k, v, tables, lens), atol=2e-2, rtol=2e-2)
+
+
+def test_choose_config_depends_on_shapes_only():
+    import lmfs.kernels.paged_attention as pa
+    assert pa.choose_config(64, 512, 1) == (128, 4, 2)     # rollouts: tiles of 128 tokens of 64 dims
+    assert pa.choose_config(128, 4096, 1) == (64, 4, 2)    # 16 KB tiles at head_dim 128 too
+    assert pa.choose_config(64, 512, 8) == (64, 4, 2)      # batch 1: a split's 64 tokens, one step
+    assert pa.choose_config(64, 40, 8) == (16, 4, 2)       # never under tl.dot's 16
+    k, v, tables, lens = paged_cache([5], 4, 1, 8)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(randn(1, 2, 8), k, v, tables, lens, config=(24, 4, 2))
 
 
 def test_choose_splits_fills_the_gpu_and_a_zero_length_row_is_zero():
@@ -201,6 +229,18 @@ def test_paged_decode_attention_gpu(n_heads, n_kv_heads):
     k, v, tables, lens = paged_cache(seq_lens, 16, n_kv_heads, 128, dtype=torch.bfloat16, seed=3)
     q = randn(len(seq_lens), n_heads, 128, seed=10, dtype=torch.bfloat16)
     expected = brute_force_attention(q, k, v, tables, lens)
-    for splits in (None, 1, 16):   # chosen for the GPU, unsplit, split
-        out = paged_decode_attention(q, k, v, tables, lens, autotune_candidates=3, num_splits=splits)
+    for splits, config in ((None, None), (1, None), (16, None), (1, (128, 8, 3)), (4, (16, 4, 4))):
+        out = paged_decode_attention(q, k, v, tables, lens, num_splits=splits, config=config)
         torch.testing.assert_close(out.double().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(8, 8), (32, 8)])  # the rollout model's MHA; the 1B model's GQA
+def test_paged_decode_attention_large_batch_gpu(n_heads, n_kv_heads):
+    """256 sequences of 1 .. 300 tokens in a 512-token table, head_dim 64: the rollout shape."""
+    seq_lens = [1 + (37 * i) % 300 for i in range(256)]
+    k, v, tables, lens = paged_cache(seq_lens, 16, n_kv_heads, 64, dtype=torch.bfloat16, seed=15)
+    tables = torch.nn.functional.pad(tables, (0, 32 - tables.shape[1]))
+    q = randn(256, n_heads, 64, seed=16, dtype=torch.bfloat16)
+    expected = paged_attention_reference(q.float(), k.float(), v.float(), tables, lens)
+    torch.testing.assert_close(paged_decode_attention(q, k, v, tables, lens).float(), expected, atol=2e-2, rtol=2e-2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import DEVICE, model_of, tiny
 
-from lmfs.kernels.moe import FusedMoE, _combine, _combine_backward, slot_table, use_fused_moe
+from lmfs.kernels.moe import FusedMoE, _combine, slot_table, use_fused_moe
 from lmfs.nn.moe import MoE, ROUTERS
 
 D, F_, E = 20, 24, 4
@@ -99,45 +99,39 @@ def test_fused_dispatch_token_counts_off_the_blocks_with_dropping(N):
         assert int(fused.stats["dropped"]) > 0
 
 
-def combine_reference(y, slot_pos, weight):
-    """``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` by a loop over slots (differentiable)."""
-    out = torch.zeros(slot_pos.shape[0], y.shape[1], device=y.device)
-    for j in range(slot_pos.shape[1]):
-        used = slot_pos[:, j] >= 0
-        out[used] += weight[used, j, None] * y[slot_pos[used, j].long()].float()
-    return out
-
-
 def random_layout(T, slots, D, seed=0):
-    """y (A, D) and a slot table for T tokens: a quarter of the slots empty (-1, weight 0), the
-    used ones a random permutation of the A sorted positions."""
+    """y (A, D) and a slot table for T tokens: a quarter of the slots empty (-1), the used ones a
+    random permutation of the A sorted positions."""
     g = torch.Generator().manual_seed(seed)
     used = torch.rand(T, slots, generator=g) > 0.25
     A = int(used.sum())
     slot_pos = torch.full((T, slots), -1, dtype=torch.int32)
     slot_pos[used] = torch.randperm(A, generator=g).int()
-    weight = torch.rand(T, slots, generator=g) * used
-    return torch.randn(A, D, generator=g).to(DEVICE), slot_pos.to(DEVICE), weight.to(DEVICE)
+    return torch.randn(A, D, generator=g).to(DEVICE), slot_pos.to(DEVICE)
 
 
 @pytest.mark.parametrize("T,slots,D", [(1, 2, 20), (16, 3, 48), (37, 1, 20), (37, 8, 33)])
-def test_combine_kernels_match_a_loop_over_slots(T, slots, D):
-    """The combine and its backward against PyTorch indexing and autograd; T and D on and off the
-    kernels' blocks, empty slots, top-1 up to top-8."""
-    y, slot_pos, weight = random_layout(T, slots, D, seed=T + D)
-    y_ref, w_ref = y.clone().requires_grad_(), weight.clone().requires_grad_()
-    want = combine_reference(y_ref, slot_pos, w_ref)
-    torch.testing.assert_close(_combine(y, slot_pos, weight, torch.float32), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(_combine(y, slot_pos, None, torch.float32),
-                               combine_reference(y, slot_pos, (slot_pos >= 0).float()), atol=1e-5, rtol=1e-5)
+def test_combine_kernel_matches_a_loop_over_slots(T, slots, D):
+    """The combine against PyTorch indexing; T and D on and off the kernel's blocks, empty
+    slots, top-1 up to top-8."""
+    y, slot_pos = random_layout(T, slots, D, seed=T + D)
+    want = torch.zeros(T, D, device=y.device)
+    for j in range(slots):
+        used = slot_pos[:, j] >= 0
+        want[used] += y[slot_pos[used, j].long()]
+    torch.testing.assert_close(_combine(y, slot_pos, torch.float32), want, atol=1e-5, rtol=1e-5)
 
-    dout = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    want.backward(dout)
-    dy, dweight = _combine_backward(dout, y, slot_pos, weight, True)
-    torch.testing.assert_close(dy, y_ref.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(dweight, w_ref.grad, atol=1e-4, rtol=1e-5)
-    assert (dweight[slot_pos < 0] == 0).all()
-    assert _combine_backward(dout, y, slot_pos, weight, False)[1] is None
+
+@pytest.mark.parametrize("router,capacity_factor", [("softmax_topk", None), ("sigmoid", 0.75)])
+def test_fused_routing_weight_gradient_matches_autograd(router, capacity_factor):
+    """The routing weights' gradient (the input-gradient kernel's row sums) on its own: the
+    router's weight gradient is nothing else, so compare it alone with a tighter tolerance,
+    with dropped assignments in the second case."""
+    loop, fused = layers(router, capacity_factor=capacity_factor)
+    x, ids = inputs(N=33, seed=3)
+    got, want = run(fused, x, ids)[2], run(loop, x, ids)[2]
+    assert want["router.proj.weight"].abs().max() > 1e-3  # a gradient worth comparing
+    torch.testing.assert_close(got["router.proj.weight"], want["router.proj.weight"], atol=2e-5, rtol=1e-4)
 
 
 def test_slot_table_by_hand():
@@ -145,10 +139,10 @@ def test_slot_table_by_hand():
     (stably): (1,0) (2,0) (0,1) (0,2) (2,2) at positions 0..4."""
     token, expert = torch.tensor([0, 1, 2, 0, 2]), torch.tensor([2, 0, 2, 1, 0])
     weight = torch.tensor([0.5, 1.0, 0.25, 0.125, 0.75])
-    rows, offsets, slot_pos, slot_weight = slot_table(token, expert, weight, 3, 3, 2)
+    rows, offsets, slot_pos, row_weight = slot_table(token, expert, weight, 3, 3, 2)
     assert rows.tolist() == [1, 2, 0, 0, 2] and offsets.tolist() == [0, 2, 3, 5]
     assert slot_pos.tolist() == [[3, 2], [0, -1], [4, 1]]
-    assert slot_weight.tolist() == [[0.5, 0.125], [1.0, 0.0], [0.25, 0.75]]
+    assert row_weight.tolist() == [1.0, 0.75, 0.125, 0.5, 0.25]
 
 
 def test_use_fused_moe_on_a_model_keeps_its_function():

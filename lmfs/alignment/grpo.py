@@ -16,6 +16,13 @@ Liu et al. 2025) runs four phases, each timed on its own:
 4. **update**: ``epochs_per_batch`` optimizer steps over the rollout batch, each accumulating the
    gradient over micro-batches of ``micro_batch_size`` sequences.
 
+Numerics: on a GPU the update runs under bfloat16 autocast on the float32 master weights, and so
+do the rollouts (the engine's ``autocast``): the sampler's log-probs come from the same arithmetic
+as the update's, and the decode step's projections are bfloat16 matmuls instead of float32 ones,
+several times faster. With ``fused_update`` the policy's attention and gated MLPs compute through
+:func:`lmfs.kernels.fused.fuse_model` (q/k/v and gate/up as one matmul each, Triton RoPE and SwiGLU
+under autocast on CUDA): the same parameters and state dict, the same function up to rounding.
+
 The *old* log-probs (the denominator of the importance ratio) need no forward pass of their own:
 an epoch is one optimizer step, so the whole first epoch runs on the policy that sampled the batch,
 and its log-probs, detached, are the old ones (the ratio is exactly 1 there); later epochs reuse them.
@@ -65,6 +72,10 @@ class GRPOConfig:
     (``"constant"``: Dr. GRPO's sum over tokens divided by ``max_new_tokens``); ``kl_coef`` the
     weight of the per-token KL estimate ``kl_estimator`` to the reference (0: no reference model
     runs); ``epochs_per_batch`` optimizer steps per rollout batch (each over the whole batch);
+    ``autocast``: ``"auto"`` (bfloat16 on CUDA, off elsewhere), ``"bf16"`` or ``"off"``: the dtype the
+    update and the rollouts compute in (the weights stay float32); ``fused_update``: compute the
+    policy through :func:`lmfs.kernels.fused.fuse_model`
+    (``chunked_loss=False``; its modules change class, its parameters and state dict stay);
     ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
     and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
     (0: never), with ``eval_samples`` answers per problem.
@@ -91,6 +102,8 @@ class GRPOConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     max_batch_size: int = 512            # sequences the engine decodes at once
+    autocast: str = "auto"
+    fused_update: bool = True
     seed: int = 0
     progress: bool = True
 
@@ -112,7 +125,8 @@ class GRPOConfig:
         if self.lr <= 0 or self.clip <= 0 or self.kl_coef < 0 or self.weight_decay < 0:
             problems.append(f"need lr > 0, clip > 0, kl_coef >= 0, weight_decay >= 0; got lr={self.lr}, "
                             f"clip={self.clip}, kl_coef={self.kl_coef}, weight_decay={self.weight_decay}")
-        for name, allowed in (("loss", PG_LOSSES), ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
+        for name, allowed in (("autocast", ("auto", "bf16", "off")), ("loss", PG_LOSSES),
+                              ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if problems:
@@ -237,7 +251,10 @@ class GRPOTrainer:
         self.config = config = config or GRPOConfig()
         self.policy, self.tokenizer, self.reward_fn = policy, tokenizer, reward_fn
         self.device = next(policy.parameters()).device
-        self.autocast = resolve_autocast("auto", self.device)
+        self.autocast = resolve_autocast(config.autocast, self.device)
+        if config.fused_update:   # before the reference is copied from it, so that the copy is fused too
+            from lmfs.kernels.fused import fuse_model
+            fuse_model(policy, chunked_loss=False)
         self.context_length = policy.config.context_length
         self.problems, self.prompts = self._encode(train_problems, "train_problems")
         self.eval_problems = list(eval_problems) if eval_problems is not None else None
@@ -255,11 +272,12 @@ class GRPOTrainer:
         # captured in CUDA graphs, whose replays read from the addresses seen at capture; the
         # updates therefore write *into* the same tensors: lmfs's AdamW (p.addcdiv_, p.mul_) and
         # load_state_dict (copy_) do, and the graphs stay valid. (Replacing a parameter tensor
-        # would make the engine notice the new addresses and capture its graphs again.)
+        # would make the engine notice the new addresses and capture its graphs again.) The engine
+        # computes under the update's autocast: each replay casts the float32 weights as they are.
         longest = max(len(p) for p in self.prompts)
         per_seq = min(self.context_length, longest + config.max_new_tokens) + 16
         self.llm = LLM(policy, tokenizer, max_batch_size=config.max_batch_size,
-                       kv_cache_tokens=config.max_batch_size * per_seq, progress=False)
+                       kv_cache_tokens=config.max_batch_size * per_seq, progress=False, autocast=self.autocast)
         self.step = 0
         self.history = GRPOHistory()
         self.rollout_stats: dict = {}          # the engine's statistics of the last rollout
@@ -299,10 +317,11 @@ class GRPOTrainer:
             return
         ckpt = load_checkpoint(path, self.policy, self.optimizer)
         stored, current = ckpt["train_config"], asdict(self.config)
-        # settings that do not change what is trained (settings of older versions are not compared)
-        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir"}
+        # settings that do not change what is trained; settings of older versions, and settings a
+        # checkpoint predates, are not compared
+        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "fused_update"}
         differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
-                     if k not in ignored and stored.get(k) != current[k] and not (
+                     if k not in ignored and k in stored and stored[k] != current[k] and not (
                          isinstance(current[k], tuple) and list(current[k]) == stored.get(k))]
         if differing:
             raise ValueError(f"{path} was written by a run with another GRPOConfig ("

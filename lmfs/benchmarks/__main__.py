@@ -22,6 +22,8 @@ BENCHMARKS = {
                     "all-reduce/all-gather/reduce-scatter bandwidth, 1 MB-1 GB"),
     "data-parallel": ("lmfs.benchmarks.data_parallel", "main", "DDP and FSDP tokens/s and memory vs PyTorch's"),
     "moe": ("lmfs.benchmarks.moe", "main", "MoE layer tokens/s: loop vs grouped matmuls vs HF, and vs dense"),
+    "paged-attention": ("lmfs.benchmarks.paged_attention", "main",
+                        "paged decode attention GB/s vs copy bandwidth, reference and SDPA; --sweep tiles"),
     "decode-step": ("lmfs.benchmarks.decode_step", "main",
                     "one decode step: paged_forward vs FusedDecode in CUDA graphs, ms/step and roofline fraction"),
     "sweep": ("lmfs.benchmarks.sweep", "main", "lecture 09's IsoFLOP grid: sequential vs several runs at once"),

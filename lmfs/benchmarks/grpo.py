@@ -1,6 +1,7 @@
 """One GRPO step: where its time goes, and lmfs's trainer vs TRL's ``GRPOTrainer``.
 
     python -m lmfs.benchmarks grpo [--json results/h200/grpo.json] [--tiny] [--steps N] [--no-trl]
+                                   [--autocast off] [--no-fused-update]
 
 Both trainers run the same task (the held-out-free train split of the course's arithmetic problems,
 in the chat template of :mod:`lmfs.alignment.sft`, rewarded by
@@ -11,9 +12,15 @@ time of a step does not depend on what the weights learned; lmfs's copy is expor
 step, all generated at once and then used for one optimizer step, micro-batches of the same size in
 the update), the same sampling (temperature 1, no filters, stopping at ``<|end|>`` only) and
 generation limit, no KL penalty (so neither runs a reference model), one epoch per batch (so neither
-needs old log-probs), fp32 weights (bf16 autocast on CUDA). A random model seldom produces its stop
+needs old log-probs), fp32 weights (bf16 autocast on CUDA: lmfs's update and rollouts both compute
+under it, ``--autocast off`` computes lmfs's in fp32; ``--no-fused-update`` trains through the plain
+modules instead of :func:`lmfs.kernels.fused.fuse_model`'s). A random model seldom produces its stop
 token, so nearly every response runs to the limit in both: equal work; the mean response lengths
-are printed to show it. The engine's flags (CUDA graphs, fused decode) are printed with lmfs's row.
+are printed to show it. The engine's flags (CUDA graphs, fused decode, autocast) are printed with
+lmfs's row, and where the step goes: the rollout's decode device time against its wall time (the
+rest is the host's work and waits), how many decode steps were launched while the one before was
+in flight, and the update's time per micro-batch (the update without its optimizer step, divided
+by the micro-batches) and of the optimizer step.
 
 (a) **Useful generation share** of a GRPO step: the time of the engine's model passes on real
     tokens, divided by the step's wall time. Each prefill forward and each decode step (forward and
@@ -152,7 +159,36 @@ def make_setup(sizes: Sizes, device: torch.device):
     return tok, model, load_split("arithmetic", "train")
 
 
-def run_lmfs(model, tok, problems, sizes: Sizes) -> dict:
+class OptimizerTimer:
+    """Wall seconds of the trainer's optimizer steps. The update reads its loss (a host wait) just
+    before the step and the phase timer waits for the device after it, so the waits added here
+    change nothing the step would not wait for anyway."""
+
+    def __init__(self, optimizer, device: torch.device):
+        from lmfs.bench.timing import synchronize
+
+        self.optimizer, self.seconds, self._step = optimizer, 0.0, optimizer.step
+
+        def timed(*args, **kwargs):
+            synchronize(device)
+            start = time.perf_counter()
+            out = self._step(*args, **kwargs)
+            synchronize(device)
+            self.seconds += time.perf_counter() - start
+            return out
+
+        optimizer.step = timed
+
+    def close(self) -> None:
+        del self.optimizer.step
+
+
+# The engine's statistics of a rollout that say where its time went (summed over the timed steps).
+ROLLOUT_STATS = ("prefill_seconds", "decode_seconds", "decode_device_seconds", "decode_wait_seconds",
+                 "decode_steps", "overlapped_steps")
+
+
+def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_update: bool = True) -> dict:
     """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
     decode step is captured in a CUDA graph for each batch size met, one on the CPU)."""
     from lmfs.alignment.grpo import PHASES, GRPOConfig, GRPOTrainer
@@ -161,13 +197,17 @@ def run_lmfs(model, tok, problems, sizes: Sizes) -> dict:
     cuda = next(model.parameters()).device.type == "cuda"
     config = GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts,
                         max_new_tokens=sizes.max_new_tokens, micro_batch_size=sizes.micro_batch, lr=1e-6,
-                        epochs_per_batch=1, kl_coef=0.0, temperature=1.0, progress=False)
+                        epochs_per_batch=1, kl_coef=0.0, temperature=1.0, progress=False, autocast=autocast,
+                        fused_update=fused_update)
     trainer = GRPOTrainer(model, tok, problems, config=config)
     trainer.stop_ids = (end_id(tok),)                     # TRL stops at its eos token only: so do we here
     # The timer goes in before the warm-up, so that the CUDA graphs are captured with it in place.
     timer = ForwardTimer(trainer.llm)
+    optimizer_timer = OptimizerTimer(trainer.optimizer, trainer.device)
+    rollout = dict.fromkeys(ROLLOUT_STATS, 0.0)
     try:
         trainer.train(2 if cuda else 1)                   # warm-up: CUDA graphs, allocator
+        optimizer_timer.seconds = 0.0
         steps, useful = [], []
         for _ in range(sizes.steps):
             timer.reset()
@@ -175,18 +215,31 @@ def run_lmfs(model, tok, problems, sizes: Sizes) -> dict:
             trainer.train(trainer.step + 1)
             steps.append(time.perf_counter() - start)
             useful.append(timer.useful_seconds())
+            for key in ROLLOUT_STATS:
+                rollout[key] += trainer.rollout_stats.get(key) or 0.0   # None: no device time off CUDA
     finally:
         timer.close()
+        optimizer_timer.close()
     h, n = trainer.history, sizes.steps
     phases = {p: sum(getattr(h, f"{p}_s")[-n:]) for p in PHASES}
     total = sum(steps)
+    micro_batches = -(-config.batch_size // config.micro_batch_size)
     return dict(samples_per_s=config.batch_size * n / total, seconds_per_step=total / n,
                 useful_generation_share=sum(useful) / total,
                 useful_share_of_rollout=sum(useful) / phases["rollout"],
                 phase_share={p: s / total for p, s in phases.items()},
                 response_length=sum(h.response_length[-n:]) / n,
-                # how the engine ran (flags of lmfs.inference.LLM's stats; None where it does not report one)
-                engine={flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")})
+                # per step: where the rollout's time went, the rollout's wall time, the update's parts
+                rollout={**{k: v / n for k, v in rollout.items()}, "wall_seconds": phases["rollout"] / n,
+                         "device_timed": cuda},
+                update={"seconds": phases["update"] / n, "micro_batches": micro_batches,
+                        "optimizer_seconds": optimizer_timer.seconds / n,
+                        "seconds_per_micro_batch": (phases["update"] - optimizer_timer.seconds) / n / micro_batches},
+                # how the engine and the update ran (flags of lmfs.inference.LLM's stats; None where it
+                # does not report one)
+                engine={**{flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")},
+                        "autocast": str(trainer.llm.autocast).removeprefix("torch.") if trainer.llm.autocast else None,
+                        "fused_update": fused_update})
 
 
 def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
@@ -243,7 +296,8 @@ def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
                 response_length=sum(lengths[1:]) / max(len(lengths[1:]), 1) if lengths else None)
 
 
-def run(sizes: Sizes | None = None, device=None, trl: bool = True) -> dict:
+def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str = "auto",
+        fused_update: bool = True) -> dict:
     """Both measurements; prints the table; returns the numbers."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -255,7 +309,7 @@ def run(sizes: Sizes | None = None, device=None, trl: bool = True) -> dict:
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "sizes": asdict(sizes),
               "params": model.num_params(), "batch": sizes.prompts * sizes.group_size}
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    result["lmfs"] = run_lmfs(model, tok, problems, sizes)
+    result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update)
     model.load_state_dict(initial)                       # TRL starts from the same weights
     gc.collect()
     if not trl:
@@ -293,6 +347,17 @@ def _print(result: dict) -> None:
     print("lmfs engine: " + ", ".join(f"{flag} {'-' if on is None else on}" for flag, on in lm["engine"].items()))
     print(f"useful generation: {lm['useful_generation_share']:.0%} of the step "
           f"({lm['useful_share_of_rollout']:.0%} of the rollout)")
+    r, u = lm["rollout"], lm["update"]
+    busy = r["decode_device_seconds"] / max(r["decode_seconds"], 1e-9)
+    device = f"device {r['decode_device_seconds']:.3f} s = {busy:.0%} of" if r["device_timed"] else \
+        "(no device time off CUDA)"
+    print(f"lmfs rollout per step: {r['wall_seconds']:.3f} s wall; decode {device} {r['decode_seconds']:.3f} s wall "
+          f"({r['decode_wait_seconds']:.3f} s of it waiting for tokens), {r['overlapped_steps']:.0f} of "
+          f"{r['decode_steps']:.0f} decode steps launched while the one before ran; "
+          f"prefill {r['prefill_seconds']:.3f} s")
+    print(f"lmfs update per step: {u['seconds']:.3f} s = {u['micro_batches']} micro-batches x "
+          f"{u['seconds_per_micro_batch'] * 1e3:.1f} ms (forward + backward, gradient clipping included) "
+          f"+ optimizer step {u['optimizer_seconds'] * 1e3:.1f} ms")
     if "ratio" in result:
         print(f"lmfs / TRL samples/s: {result['ratio']:.3g}x")
     else:
@@ -306,12 +371,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="the CPU sizes, also on a GPU")
     parser.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up")
     parser.add_argument("--no-trl", action="store_true", help="leave out TRL's GRPOTrainer")
+    parser.add_argument("--autocast", default="auto", choices=["auto", "bf16", "off"],
+                        help="lmfs's update and rollouts: bf16 autocast on CUDA (auto), or float32 (off)")
+    parser.add_argument("--no-fused-update", action="store_true",
+                        help="train lmfs's policy through the plain modules, not lmfs.kernels.fused's")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = CPU_SIZES if args.tiny or device.type != "cuda" else GPU_SIZES
     if args.steps is not None:
         sizes = Sizes(**{**asdict(sizes), "steps": args.steps})
-    result = run(sizes, device, trl=not args.no_trl)
+    result = run(sizes, device, trl=not args.no_trl, autocast=args.autocast, fused_update=not args.no_fused_update)
     save_json(result, args.json)
     return result

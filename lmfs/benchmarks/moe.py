@@ -14,8 +14,8 @@ b. **lmfs triton**: ``dispatch="sorted"`` (sort the assignments by expert, run a
 c. **torch grouped_mm**: the same with PyTorch's own grouped matmul, where the installed torch
    has one.
 d. **lmfs fused**: :func:`lmfs.kernels.moe.use_fused_moe`: the sorted dispatch fused into Triton
-   kernels: the gather of the tokens inside the first grouped matmul, SwiGLU in the matmuls'
-   epilogues, the routing weights and the sum per token in a combine by the inverse permutation
+   kernels: the gather of the tokens inside the first grouped matmul, SwiGLU and the routing
+   weights in the matmuls' epilogues, the sum per token in a combine by the inverse permutation
    (no atomic adds), forward and backward.
 e. **HF Qwen2-MoE**: Hugging Face ``transformers``' ``Qwen2MoeSparseMoeBlock`` built from a config
    (no download) holding the same weights, timed with each of its expert implementations that
@@ -32,8 +32,10 @@ count for every MoE implementation. Ratios printed: each fast dispatch ÷ the lo
 with the loop's. ``--profile`` adds where the fused layer's time goes: the kernels of a few
 forward+backward steps (:func:`lmfs.bench.timing.profile_table`), the longest first, µs per
 step, with what each of the fused layer's own kernels achieved (TFLOP/s of its matmuls, or GB/s
-moved by the combines) and the tile shapes the autotuner picked for them. Without a GPU a tiny shape runs through Triton's interpreter, to exercise the code; those
-numbers say nothing about real hardware.
+moved by the combine), the tile shapes the autotuner picked for them, and what it measured for
+every candidate of the three fused matmul kernels (a tile that spills shows up there as slow).
+Without a GPU a tiny shape runs through Triton's interpreter, to exercise the code; those numbers
+say nothing about real hardware.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from lmfs.bench.timing import benchmark, profile_table
 from lmfs.kernels import INTERPRET
 from lmfs.kernels.grouped_gemm import autotune_choices, grouped_matmul, torch_grouped_matmul, torch_grouped_mm
 from lmfs.kernels.moe import autotune_choices as fused_choices
+from lmfs.kernels.moe import autotune_timings as fused_timings
 from lmfs.kernels.moe import use_fused_moe
 from lmfs.nn.layers import GatedMLP
 from lmfs.nn.moe import MoE
@@ -187,13 +190,14 @@ def run(shape: MoEShape | None = None, device=None, warmup: int | None = None, r
                          for name, mean_us in zip(table["name"], table["mean_us"])]
         result["profile"] = table.to_dict(orient="records")
         result["profile_where"] = table.attrs["where"]
+        result["fused_timings"] = fused_timings()
     _print(result)
     return result
 
 
 def _kernel_work(shape: MoEShape, elem: int) -> dict[str, tuple[str, float]]:
-    """Per launch of each fused-layer kernel: its matmul FLOPs, or for the combine kernels the
-    bytes they move at least (``elem`` bytes an element; no dropping, so A = tokens·k rows)."""
+    """Per launch of each fused-layer kernel: its matmul FLOPs, or for the combine kernel the
+    bytes it moves at least (``elem`` bytes an element; no dropping, so A = tokens·k rows)."""
     A, T, d, w = shape.tokens * shape.top_k, shape.tokens, shape.d_model, shape.width
     matmul = 2 * A * d * w  # one (A, d) x (d, w) grouped product
     return {"moe_up_kernel": ("TFLOP/s", 2 * matmul),            # gate and up
@@ -201,8 +205,7 @@ def _kernel_work(shape: MoEShape, elem: int) -> dict[str, tuple[str, float]]:
             "moe_down_dx_kernel": ("TFLOP/s", matmul),
             "grouped_matmul_kernel": ("TFLOP/s", matmul),        # the down projection
             "grouped_matmul_dw_kernel": ("TFLOP/s", matmul),     # each of the three weight gradients
-            "moe_combine_kernel": ("GB/s", (A + T) * d * elem),  # read y (or dx sorted), write out
-            "moe_combine_bwd_kernel": ("GB/s", (T + 2 * A) * d * elem)}  # read dout and y, write dy
+            "moe_combine_kernel": ("GB/s", (A + T) * d * elem)}  # read y (or dx sorted), write out
 
 
 def _rate(shape: MoEShape, name: str, mean_us: float, elem: int) -> str:
@@ -283,6 +286,10 @@ def _print(result: dict) -> None:
         print(pd.DataFrame(result["profile"]).to_string(index=False, formatters={
             "name": lambda n: n[:90], "total_us": "{:,.0f}".format, "mean_us": "{:,.1f}".format,
             "share": "{:.1%}".format}))
+        for name, timings in result["fused_timings"].items():
+            if timings:
+                print(f"  autotuner's candidates for the fused {name} kernel, ms: "
+                      + "; ".join(f"{config} {ms:.3f}" for config, ms in timings.items()))
 
 
 def main(argv=None) -> dict:

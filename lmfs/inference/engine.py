@@ -39,10 +39,22 @@
 * **Fused decode forward** (``fused_decode``): decode steps may run
   :class:`lmfs.kernels.decode.FusedDecode`, the same forward with the q/k/v and gate/up
   projections merged into one matmul each; prefill always runs :func:`~lmfs.inference.paged_forward`.
+* **Autocast** (``autocast=torch.bfloat16``): every forward (prefill and decode step, fused or
+  not, in a CUDA graph or not) runs under ``torch.autocast``, as a training step under autocast
+  does, and the KV cache holds that dtype; sampling stays in float32. The weights stay as they
+  are (float32 master weights of a model being trained): each matmul reads its weight through
+  an autocast cast. Those casts run inside the step, so a CUDA graph captures them and each
+  replay casts the weights as they are then (an optimizer step in place is seen); the cast cache
+  is off, so no cast outlives its forward. The fused forward's merged q/k/v and gate/up weights
+  are cast the same way, by the autocast of its matmuls; its Triton kernels read the 16-bit
+  activations and write the 16-bit cache. Why: a float32 weight makes every projection of the
+  decode step a float32 matmul, several times slower than a bfloat16 one on a GPU, and a trainer
+  whose update computes in bfloat16 wants its rollouts' log-probs from the same numerics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -178,7 +190,8 @@ class LLM:
     run in the interpreter) or False (:func:`~lmfs.inference.paged_forward`); ``overlap``: launch
     each decode step before reading the previous one's tokens (module docstring; False waits for
     every step, which gives the same outputs); ``progress``: a progress bar over requests (None:
-    only on a terminal or notebook).
+    only on a terminal or notebook); ``autocast``: None (compute in the weights' dtype) or a 16-bit
+    dtype to run the forwards in (module docstring, "Autocast").
 
     ``stats`` (after each call): prefill/decode tokens, seconds and steps, preemptions, prompt
     tokens served from shared prefix blocks, the peak number of KV blocks in use, and KV bytes in
@@ -195,11 +208,15 @@ class LLM:
     def __init__(self, model, tokenizer=None, block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_batch_size: int = 256, max_batch_tokens: int = 4096, cuda_graphs="auto",
                  attention: str = "auto", fused_decode="auto", overlap: bool = True,
-                 progress: bool | None = None):
+                 progress: bool | None = None, autocast: torch.dtype | None = None):
         cfg = model.config
         param = next(model.parameters())
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
-        self.device, self.dtype = param.device, param.dtype
+        if autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast={autocast!r}: use None (the weights' dtype) or torch.bfloat16 / torch.float16")
+        self.autocast = autocast
+        # the dtype the forwards compute in, and so the KV cache's
+        self.device, self.dtype = param.device, autocast or param.dtype
         if max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_batch_size={max_batch_size} and max_batch_tokens={max_batch_tokens} "
                              "must be positive")
@@ -207,7 +224,7 @@ class LLM:
         self.progress, self.overlap = progress, bool(overlap)
         if kv_cache_tokens is None:
             kv_cache_tokens = self._default_kv_tokens()
-        self.cache = PagedKVCache.for_model(model, kv_cache_tokens, block_size)
+        self.cache = PagedKVCache.for_model(model, kv_cache_tokens, block_size, dtype=self.dtype)
         self.allocator: BlockAllocator = self.cache.allocator
         self.max_blocks = math.ceil(cfg.context_length / block_size)
 
@@ -292,6 +309,13 @@ class LLM:
                                  "use fused_decode='auto' or False")
             return None
         return FusedDecode(self.model)
+
+    def _autocast(self):
+        """The context every forward runs in: autocast to ``self.autocast`` (its cast cache off, so that
+        each forward, and each replay of a captured one, casts the weights as they are now), or none."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast, cache_enabled=False)
 
     @staticmethod
     def _empty_stats() -> dict:
@@ -469,8 +493,9 @@ class LLM:
         start = time.perf_counter()
         chunks = [(r.tokens[r.cached:], r.cached, r.blocks) for r in admitted]
         batch = gathered_batch(chunks, self.block_size, self.config.window, self.device)
-        logits = paged_forward(self.model, self.cache, batch, self.decode_attention)
-        next_ids, logprobs = self._sample(admitted, logits)
+        with self._autocast():
+            logits = paged_forward(self.model, self.cache, batch, self.decode_attention)
+        next_ids, logprobs = self._sample(admitted, logits.float())
         rows = torch.tensor([r.row for r in admitted], device=self.device)
         table = torch.zeros(len(admitted), self.max_blocks, dtype=torch.int32)
         for i, r in enumerate(admitted):
@@ -544,7 +569,9 @@ class LLM:
         if self.config.attention == "mla":   # latents: the gathered path, built from the host's tokens
             pb = gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in batch],
                                 self.block_size, self.config.window, self.device)
-            next_ids, logprobs = self._sample(batch, paged_forward(self.model, self.cache, pb))
+            with self._autocast():
+                logits = paged_forward(self.model, self.cache, pb)
+            next_ids, logprobs = self._sample(batch, logits.float())
             drawn, wait = _pack(next_ids, logprobs), True
         else:
             state = self._batch_state(batch)
@@ -648,11 +675,14 @@ class LLM:
         (0: greedy) with ``uniforms`` ``(B,)`` (None: all greedy), and the rows' last tokens and
         positions advanced. Returns the logits ``(B, V)`` and ``(2, B)`` float64 sampled ids and
         their log-probs."""
-        logits = self._decode_forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
+        with self._autocast():   # inside the step, so that a CUDA graph captures the weights' casts
+            logits = self._decode_forward(self.model, self.cache, self._decode_batch(rows, width),
+                                          self.decode_attention)
+        logits = logits.float()
         greedy = temperatures == 0
         # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,
         # which a CUDA graph cannot capture
-        processed = logits.float() / temperatures.masked_fill(greedy, 1.0)[:, None]
+        processed = logits / temperatures.masked_fill(greedy, 1.0)[:, None]
         next_ids, logprobs = sample_scaled(processed, greedy, uniforms)
         self.last_token[rows] = next_ids
         self.positions[rows] += 1

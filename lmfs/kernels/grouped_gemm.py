@@ -125,13 +125,15 @@ def grouped_matmul_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, N, K, M, E, stride_w
 
 
 @triton.jit(do_not_specialize=["ROWS_BUCKET", "N_CANDIDATES"])
-def grouped_matmul_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, rows_ptr, K, M, ROWS_BUCKET, N_CANDIDATES,
-                             GATHER: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def grouped_matmul_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, x_rows_ptr, dy_rows_ptr, K, M, ROWS_BUCKET,
+                             N_CANDIDATES, GATHER_X: tl.constexpr, GATHER_DY: tl.constexpr, UPCAST: tl.constexpr,
+                             PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_R: tl.constexpr):
     """One (BLOCK_K, BLOCK_N) tile of ``dw[e] = x[rows of e]ᵀ · dy[rows of e]``: a sum over the
     group's rows, ``BLOCK_R`` at a time. x: (N, K), dy: (N, M), dw: (E, K, M), contiguous.
-    With ``GATHER``, row ``r`` of the product is row ``rows[r]`` of x (x then has any number of
-    rows): the gathered copy of x that a mixture of experts would otherwise make is never written."""
+    With ``GATHER_X``, row ``r`` of the product reads row ``x_rows[r]`` of x (x then has any
+    number of rows), and with ``GATHER_DY`` row ``dy_rows[r]`` of dy: the gathered copies a
+    mixture of experts would otherwise write (of its input, and of its output's gradient) never are."""
     group = tl.program_id(2)
     start = tl.load(offsets_ptr + group)
     end = tl.load(offsets_ptr + group + 1)
@@ -144,13 +146,16 @@ def grouped_matmul_dw_kernel(x_ptr, dy_ptr, dw_ptr, offsets_ptr, rows_ptr, K, M,
         rows = r0 + tl.arange(0, BLOCK_R)
         row_ok = rows < end
         x_rows = rows
-        if GATHER:
-            x_rows = tl.load(rows_ptr + rows, mask=row_ok, other=0)
+        dy_rows = rows
+        if GATHER_X:
+            x_rows = tl.load(x_rows_ptr + rows, mask=row_ok, other=0)
+        if GATHER_DY:
+            dy_rows = tl.load(dy_rows_ptr + rows, mask=row_ok, other=0)
         # x's tile is loaded transposed, (BLOCK_K, BLOCK_R), so that the product needs no tl.trans.
         xt = tl.load(x_ptr + x_rows.to(tl.int64)[None, :] * K + ks[:, None], mask=k_ok[:, None] & row_ok[None, :],
                      other=0.0)
-        dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * M + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                     other=0.0)
+        dy = tl.load(dy_ptr + dy_rows.to(tl.int64)[:, None] * M + cols[None, :],
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             xt, dy = xt.to(tl.float32), dy.to(tl.float32)
         acc = tl.dot(xt, dy, acc, input_precision=PRECISION)
@@ -180,9 +185,11 @@ def _config(row: tuple, names: tuple[str, str, str]) -> "triton.Config":
     return triton.Config(dict(zip(names, row[:3])), num_warps=row[3], num_stages=row[4])
 
 
-def _autotuned(kernel_fn, table: dict, names: tuple[str, str, str], dtype_arg: str):
+def _autotuned(kernel_fn, table: dict, names: tuple[str, str, str], dtype_arg: str,
+               reset_to_zero: list[str] | None = None):
     """``kernel_fn`` autotuned over the rows of ``table`` for the operands' dtype (the first
-    ``N_CANDIDATES`` of them, or all for 0)."""
+    ``N_CANDIDATES`` of them, or all for 0). ``reset_to_zero`` names outputs that must start at
+    zero: the autotuner zeroes them before each candidate's runs and before the real launch."""
     configs = {row: _config(row, names) for group in table.values() for row in group}
 
     def prune(_, named_args, **kwargs):
@@ -191,7 +198,8 @@ def _autotuned(kernel_fn, table: dict, names: tuple[str, str, str], dtype_arg: s
         return [configs[row] for row in rows[:args["N_CANDIDATES"] or None]]
 
     return triton.autotune(list(configs.values()), key=["K", "M", "ROWS_BUCKET", "N_CANDIDATES"],
-                           prune_configs_by={"early_config_prune": prune}, do_bench=autotune_bench)(kernel_fn)
+                           prune_configs_by={"early_config_prune": prune}, reset_to_zero=reset_to_zero,
+                           do_bench=autotune_bench)(kernel_fn)
 
 
 _FWD_NAMES, _DW_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("BLOCK_K", "BLOCK_N", "BLOCK_R")
@@ -254,14 +262,17 @@ def _block_e(E: int) -> int:
 
 
 def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, E: int, candidates: int,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None, dy_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``dw`` (E, K, M) with ``dw[e] = x[rows of e]ᵀ · dy[rows of e]`` (zeros for empty groups).
-    With ``rows`` (one index per row of dy), row r of the product reads row ``rows[r]`` of x."""
-    K, (N, M) = x.shape[1], dy.shape
+    With ``rows`` (one index per row of the product), row r of the product reads row ``rows[r]``
+    of x; with ``dy_rows``, row ``dy_rows[r]`` of dy."""
+    K, M = x.shape[1], dy.shape[1]
+    N = dy.shape[0] if dy_rows is None else dy_rows.shape[0]  # rows of the product
     dw = torch.empty(E, K, M, device=x.device, dtype=x.dtype)
     grid = lambda meta: (triton.cdiv(K, meta["BLOCK_K"]), triton.cdiv(M, meta["BLOCK_N"]), E)  # noqa: E731
-    _dw[grid](x, dy, dw, offsets, offsets if rows is None else rows, K, M, _rows_bucket(N), candidates,
-              GATHER=rows is not None, UPCAST=INTERPRET, PRECISION=_precision(x.dtype), **_DW_BLOCKS)
+    _dw[grid](x, dy, dw, offsets, offsets if rows is None else rows, offsets if dy_rows is None else dy_rows, K, M,
+              _rows_bucket(N), candidates, GATHER_X=rows is not None, GATHER_DY=dy_rows is not None,
+              UPCAST=INTERPRET, PRECISION=_precision(x.dtype), **_DW_BLOCKS)
     return dw
 
 

@@ -10,23 +10,28 @@ the benchmark's shape the grouped matmuls take a third of the layer's time (docs
   sorted position ``p`` (``rows`` = the token of each sorted assignment) while it loads its tile,
   so the ``(tokens·k, d_model)`` gathered copy of ``x`` is never written; the weight gradient of
   the first layer reads ``x`` through the same indices (:func:`~lmfs.kernels.grouped_gemm._weight_grad`).
-* **SwiGLU in the epilogues.** The first kernel multiplies each tile by the gate and the up
-  matrices at once (one read of the activations for both) and writes ``silu(g)·u`` along with
-  ``g`` and ``u`` for the backward. The backward of the second layer's input product applies the
-  SwiGLU's derivative to its tile before storing, so it writes ``dg`` and ``du`` directly; the
-  backward of the first layer sums the two products ``dg·W_gateᵀ + du·W_upᵀ`` in one kernel.
+* **SwiGLU and the routing weights in the epilogues.** The first kernel multiplies each tile by
+  the gate and the up matrices at once (one read of the activations for both) and writes
+  ``h = weight · silu(g) · u`` along with ``g`` and ``u`` for the backward: a routing weight is
+  one number per row, so it may scale the down projection's input instead of its output. The
+  backward of the second layer's input product applies the weight and SwiGLU's derivative to its
+  tile before storing, so it writes ``dg`` and ``du`` directly; the backward of the first layer
+  sums the two products ``dg·W_gateᵀ + du·W_upᵀ`` in one kernel.
 * **Combine by the inverse permutation.** Token ``t``'s assignments sit at known sorted positions
   ``slot_pos[t, j]`` (``-1`` for an empty slot: a dropped assignment, or fewer experts under
-  expert choice). So ``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` is a gather and a sum,
-  a tile of tokens × columns per program with all of its k row loads in flight at once: no
-  scatter, no atomic adds (16-bit ones are compare-and-swap loops on a GPU). The routing weights are applied here, not in a pass of their own. Its backward is a
-  gather the other way: ``dy[slot_pos[t, j]] = weight[t, j] · dout[t]`` (every sorted position
-  has exactly one owner, so these are plain stores), with ``dweight[t, j] = ⟨dout[t],
-  y[slot_pos[t, j]]⟩`` from the same loads (a partial sum per column tile, added up after). The input's gradient, a sum over each token's sorted
-  rows, is the same gather-and-sum with unit weights.
+  expert choice). So ``out[t] = Σ_j y[slot_pos[t, j]]`` is a gather and a sum, a tile of tokens
+  × columns per program with all of its k row loads in flight at once: no scatter, no atomic
+  adds (16-bit ones are compare-and-swap loops on a GPU). The input's gradient, a sum over each
+  token's sorted rows, is the same gather-and-sum.
+* **No gradient of the expert outputs.** Row ``p`` of that gradient would be ``dout[rows[p]]``,
+  a copy of the output's gradient in sorted order; the down projection's input gradient and
+  weight gradient read ``dout`` through ``rows`` instead, like the first layer reads ``x``. The
+  routing weight's gradient, ``⟨dout[t], (silu(g)·u)[p]·W_down⟩ = ⟨dout[t]·W_downᵀ, (silu(g)·u)[p]⟩``,
+  is a row sum of numbers the input-gradient kernel holds anyway (one partial sum per column tile,
+  added up after).
 
-Five kernels here (first layer; the two backward products; combine and its backward) and the
-second layer's product and all weight gradients by :mod:`lmfs.kernels.grouped_gemm`'s kernels.
+Four kernels here (first layer; the two backward products; combine) and the second layer's
+product and all weight gradients by :mod:`lmfs.kernels.grouped_gemm`'s kernels.
 Opt in with :func:`use_fused_moe` (the MoE layers of a model become :class:`FusedMoE`, keeping
 their parameters). Checked against the loop and sorted dispatch of :mod:`lmfs.nn.moe`, forward and
 backward, in tests/test_moe_fused.py; timed by ``python -m lmfs.benchmarks moe`` (row ``lmfs fused``).
@@ -44,12 +49,13 @@ from lmfs.nn.moe import MoE
 
 
 @triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
-def moe_up_kernel(x_ptr, rows_ptr, wg_ptr, wu_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, N, K, M, E,
+def moe_up_kernel(x_ptr, rows_ptr, rw_ptr, wg_ptr, wu_ptr, h_ptr, g_ptr, u_ptr, offsets_ptr, N, K, M, E,
                   ROWS_BUCKET, N_CANDIDATES, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One tile of the first layer: ``g = x[rows] · W_gate[e]``, ``u = x[rows] · W_up[e]`` and
-    ``h = silu(g) · u``, all (N, M) in sorted order. x: (tokens, K); W_gate, W_up: (E, K, M);
-    all contiguous. Each A tile (gathered rows of x) is loaded once for both products."""
+    ``h = rw · silu(g) · u``, all (N, M) in sorted order, ``rw`` (N,) float32 the routing weight
+    of each sorted row. x: (tokens, K); W_gate, W_up: (E, K, M); all contiguous. Each A tile
+    (gathered rows of x) is loaded once for both products."""
     group, pos, pos_ok, cols, col_ok = _tile_coords(offsets_ptr, E, M, BLOCK_E, BLOCK_M, BLOCK_N)
     if group >= E:
         return
@@ -81,30 +87,49 @@ def moe_up_kernel(x_ptr, rows_ptr, wg_ptr, wu_ptr, h_ptr, g_ptr, u_ptr, offsets_
     tl.store(g_ptr + offs, g, mask=mask)
     tl.store(u_ptr + offs, u, mask=mask)
     g32 = g.to(tl.float32)
-    tl.store(h_ptr + offs, (g32 * tl.sigmoid(g32) * u.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask)
+    rw = tl.load(rw_ptr + pos, mask=pos_ok, other=0.0)
+    h = g32 * tl.sigmoid(g32) * u.to(tl.float32) * rw[:, None]
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
-def moe_down_dx_kernel(dy_ptr, wd_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, offsets_ptr, N, K, M, E, stride_we,
-                       stride_wk, stride_wm, ROWS_BUCKET, N_CANDIDATES, UPCAST: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One tile of the second layer's input gradient ``dh = dy · W_down[e]ᵀ`` (K = d_model,
-    M = width; ``wd`` is W_downᵀ as a strided view) with SwiGLU's backward in the epilogue:
-    ``dg = dh · u · silu'(g)``, ``du = dh · silu(g)``, where ``silu'(g) = σ(g)(1 + g(1 − σ(g)))``."""
+def moe_down_dx_kernel(dout_ptr, rows_ptr, rw_ptr, wd_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, parts_ptr, offsets_ptr, N,
+                       K, M, E, stride_we, stride_wk, stride_wm, ROWS_BUCKET, N_CANDIDATES,
+                       NEED_DWEIGHT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of the second layer's input gradient with SwiGLU's backward in the epilogue.
+
+    The layer's output is ``out[t] = Σ_p∈t rw[p] · (silu(g)·u)[p] · W_down[e]``, so with
+    ``a = dout[rows] · W_down[e]ᵀ`` (K = d_model, M = width; ``dout`` (tokens, K) read through
+    the token of each sorted row, ``wd`` W_downᵀ as a strided view) the gradients are
+    ``dh = rw · a``, ``dg = dh · u · silu'(g)`` with ``silu'(g) = σ(g)(1 + g(1 − σ(g)))``,
+    ``du = dh · silu(g)``, stored (N, M); and, if ``NEED_DWEIGHT``, the routing weight's
+    ``⟨a, silu(g)·u⟩`` over this tile's columns into ``parts[column tile, p]`` (float32, zeros
+    beforehand; the caller sums over the column tiles). The epilogue is ordered for registers:
+    ``g`` is loaded, turned into ``a·silu(g)`` and ``a·silu'(g)`` and dropped before ``u`` is
+    loaded, so no more than three float32 tiles are live at once (each 64 registers a thread at
+    128 × 128 with 8 warps)."""
     group, pos, pos_ok, cols, col_ok = _tile_coords(offsets_ptr, E, M, BLOCK_E, BLOCK_M, BLOCK_N)
     if group >= E:
         return
-    dh = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), dy_ptr, pos, pos_ok, K,
-                       wd_ptr + group.to(tl.int64) * stride_we, stride_wk, stride_wm, cols, col_ok, K,
-                       UPCAST, PRECISION, BLOCK_K)
+    token = tl.load(rows_ptr + pos, mask=pos_ok, other=0)
+    a = _tile_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), dout_ptr, token, pos_ok, K,
+                      wd_ptr + group.to(tl.int64) * stride_we, stride_wk, stride_wm, cols, col_ok, K,
+                      UPCAST, PRECISION, BLOCK_K)
     offs = pos.to(tl.int64)[:, None] * M + cols[None, :]
     mask = pos_ok[:, None] & col_ok[None, :]
+    rw = tl.load(rw_ptr + pos, mask=pos_ok, other=0.0)[:, None]
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    tl.store(du_ptr + offs, (dh * g * sig).to(du_ptr.dtype.element_ty), mask=mask)
-    tl.store(dg_ptr + offs, (dh * u * sig * (1 + g * (1 - sig))).to(dg_ptr.dtype.element_ty), mask=mask)
+    silu = g * sig
+    a_silu = a * silu                         # the product with u is h's share of the weight's gradient
+    a_dsilu = a * (sig + silu * (1 - sig))   # a · silu'(g): from here on a and g are dead
+    tl.store(du_ptr + offs, (rw * a_silu).to(du_ptr.dtype.element_ty), mask=mask)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dg_ptr + offs, (rw * a_dsilu * u).to(dg_ptr.dtype.element_ty), mask=mask)
+    if NEED_DWEIGHT:
+        col_tile = tl.program_id(0) % tl.cdiv(M, BLOCK_N)
+        tl.store(parts_ptr + col_tile.to(tl.int64) * N + pos, tl.sum(a_silu * u, axis=1), mask=pos_ok)
 
 
 @triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
@@ -127,11 +152,11 @@ def moe_up_dx_kernel(dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, offsets_ptr, N, K, 
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, slot_pos_ptr, weight_ptr, out_ptr, T, D, SLOTS: tl.constexpr, WEIGHTED: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out[t] = Σ_j weight[t, j] · y[slot_pos[t, j]]`` for a tile of BLOCK_T tokens × BLOCK_D
-    columns (weight 1 when not ``WEIGHTED``); slots with ``slot_pos = -1`` add nothing. y: (A, D),
-    out: (T, D), slot_pos (int32) and weight (float32): (T, SLOTS); all contiguous. Sums in float32.
+def moe_combine_kernel(y_ptr, slot_pos_ptr, out_ptr, T, D, SLOTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """``out[t] = Σ_j y[slot_pos[t, j]]`` for a tile of BLOCK_T tokens × BLOCK_D columns; slots
+    with ``slot_pos = -1`` add nothing. y: (A, D), out: (T, D), slot_pos (int32): (T, SLOTS); all
+    contiguous. Sums in float32.
 
     The loop over slots is unrolled, so the SLOTS row loads of every token of the tile are issued
     before the first one is needed: a gather of scattered rows is bound by how many loads are in
@@ -144,146 +169,122 @@ def moe_combine_kernel(y_ptr, slot_pos_ptr, weight_ptr, out_ptr, T, D, SLOTS: tl
     for j in tl.static_range(SLOTS):
         pos = tl.load(slot_pos_ptr + tokens * SLOTS + j, mask=tok_ok, other=-1)
         used = pos >= 0
-        rows = tl.load(y_ptr + pos.to(tl.int64)[:, None] * D + cols[None, :], mask=used[:, None] & col_ok[None, :],
+        acc += tl.load(y_ptr + pos.to(tl.int64)[:, None] * D + cols[None, :], mask=used[:, None] & col_ok[None, :],
                        other=0.0).to(tl.float32)
-        if WEIGHTED:
-            rows = rows * tl.load(weight_ptr + tokens * SLOTS + j, mask=used, other=0.0)[:, None]
-        acc += rows
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=tok_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def moe_combine_bwd_kernel(dout_ptr, y_ptr, slot_pos_ptr, weight_ptr, dy_ptr, dweight_ptr, T, D,
-                           SLOTS: tl.constexpr, NEED_DWEIGHT: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
-    """The combine's backward for a tile of BLOCK_T tokens × BLOCK_D columns:
-    ``dy[slot_pos[t, j]] = weight[t, j] · dout[t]`` (each sorted row has one owner: plain stores)
-    and ``⟨dout[t], y[slot_pos[t, j]]⟩`` over this tile's columns into ``dweight[c, t, j]``
-    (float32 (cdiv(D, BLOCK_D), T, SLOTS), c = this column tile, 0 for empty slots): the caller
-    sums over c. Shapes as in :func:`moe_combine_kernel`."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok_ok = tokens < T
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    dout = tl.load(dout_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :],
-                   mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    dweight_ptrs = dweight_ptr + (tl.program_id(1).to(tl.int64) * T + tokens) * SLOTS
-    for j in tl.static_range(SLOTS):
-        pos = tl.load(slot_pos_ptr + tokens * SLOTS + j, mask=tok_ok, other=-1)
-        used = pos >= 0
-        w = tl.load(weight_ptr + tokens * SLOTS + j, mask=used, other=0.0)
-        offs = pos.to(tl.int64)[:, None] * D + cols[None, :]
-        mask = used[:, None] & col_ok[None, :]
-        tl.store(dy_ptr + offs, (w[:, None] * dout).to(dy_ptr.dtype.element_ty), mask=mask)
-        if NEED_DWEIGHT:
-            rows = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dweight_ptrs + j, tl.sum(rows * dout, axis=1), mask=tok_ok)
-
-
 # Tile shapes of the three matmul kernels, as grouped_gemm's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
-# stages), the likeliest first. Each kernel keeps more than one (BLOCK_M, BLOCK_N) float32 tile
-# live: the first layer's two accumulators (gate and up), and the second layer's input gradient
-# its accumulator next to the g and u tiles its epilogue loads. At 128 × 128 with 8 warps one such
-# tile is 64 registers a thread, so two or three of them crowd the 255 a thread may have and spill:
-# these lists lead with 64-wide column tiles (two warp groups, 3-4 stages: 32-48 KB of shared
-# memory a stage, well within the H200's 228 KB) and keep the wide tiles for the autotuner to try.
+# stages), the likeliest first. The first layer keeps two (BLOCK_M, BLOCK_N) float32 accumulators
+# (gate and up), and the second layer's input gradient up to three float32 tiles in its epilogue;
+# at 128 × 128 with 8 warps one such tile is 64 registers a thread. Those lists lead with 64-wide
+# column tiles (two warp groups, 3-4 stages: 24-32 KB of shared memory a stage). The input
+# gradient's epilogue moves 8 bytes per output element (g and u in, dg and du out) after its
+# K loop; a GPU hides that only behind another program's K loop on the same SM, so its list also
+# has tiles small enough for two or three programs per SM (4 warps, 3 stages).
 _UP_CONFIGS = {"16-bit": [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4),
                           (64, 128, 64, 4, 4), (128, 64, 32, 8, 5), (64, 64, 64, 4, 4)],
                "fp32": _FWD_CONFIGS["fp32"]}
 _DOWN_DX_CONFIGS = {"16-bit": [(128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3),
-                               (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)],
+                               (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4),
+                               (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)],
                     "fp32": _FWD_CONFIGS["fp32"]}
 if INTERPRET:
     _up, _down_dx, _up_dx = moe_up_kernel, moe_down_dx_kernel, moe_up_dx_kernel
 else:
     _up = _autotuned(moe_up_kernel, _UP_CONFIGS, _FWD_NAMES, "x_ptr")
-    _down_dx = _autotuned(moe_down_dx_kernel, _DOWN_DX_CONFIGS, _FWD_NAMES, "dy_ptr")
+    # parts: a candidate with narrower column tiles fills rows that the chosen one leaves alone
+    _down_dx = _autotuned(moe_down_dx_kernel, _DOWN_DX_CONFIGS, _FWD_NAMES, "dout_ptr", reset_to_zero=["parts_ptr"])
     _up_dx = _autotuned(moe_up_dx_kernel, _FWD_CONFIGS, _FWD_NAMES, "dg_ptr")
-# The combine kernels' tiles: BLOCK_T tokens × BLOCK_D columns. On a GPU, 16 × 256 with 4 warps is
+# The narrowest column tile the input-gradient kernel may pick: it sizes the routing weights'
+# partial sums (one row per column tile) before the autotuner has chosen.
+_DOWN_DX_MIN_BLOCK_N = (_FWD_BLOCKS["BLOCK_N"] if INTERPRET else
+                        min(row[1] for rows in _DOWN_DX_CONFIGS.values() for row in rows))
+# The combine kernel's tiles: BLOCK_T tokens × BLOCK_D columns. On a GPU, 16 × 256 with 4 warps is
 # 32 elements a thread per slot (four 16-byte loads), so top-8 keeps 32 loads a thread in flight;
 # the interpreter gets few, wide programs.
 _COMBINE_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 16, "BLOCK_D": 256, "num_warps": 4}
+_KERNELS = (("up", _up), ("down_dx", _down_dx), ("up_dx", _up_dx))
 
 
 def autotune_choices() -> dict[str, str]:
     """Blocks, warps and stages of the latest launches of the three matmul kernels of this module."""
     return {name: config_str(_FWD_BLOCKS if INTERPRET else getattr(kernel, "best_config", None))
-            for name, kernel in (("up", _up), ("down_dx", _down_dx), ("up_dx", _up_dx))}
+            for name, kernel in _KERNELS}
 
 
-def _combine_grid(tokens: int, D: int) -> tuple[int, int]:
-    return triton.cdiv(tokens, _COMBINE_BLOCKS["BLOCK_T"]), triton.cdiv(D, _COMBINE_BLOCKS["BLOCK_D"])
+def autotune_timings() -> dict[str, dict[str, float]]:
+    """Milliseconds the autotuner measured for every candidate of the three matmul kernels at
+    their latest new shape (median of its repeats), fastest first; empty under the interpreter."""
+    timings = {}
+    for name, kernel in _KERNELS:
+        measured = getattr(kernel, "configs_timings", None) or {}
+        ms = {config_str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in measured.items()}
+        timings[name] = dict(sorted(ms.items(), key=lambda item: item[1]))
+    return timings
 
 
-def _combine(y: torch.Tensor, slot_pos: torch.Tensor, weight: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``out`` (tokens, D) in ``dtype``: each token's sorted rows of ``y`` (A, D), weighted and summed."""
+def _combine(y: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (tokens, D) in ``dtype``: the sum of each token's sorted rows of ``y`` (A, D)."""
     tokens, slots = slot_pos.shape
     out = torch.empty(tokens, y.shape[1], device=y.device, dtype=dtype)
     if tokens:
-        moe_combine_kernel[_combine_grid(tokens, y.shape[1])](
-            y, slot_pos, slot_pos if weight is None else weight, out, tokens, y.shape[1], slots,
-            WEIGHTED=weight is not None, **_COMBINE_BLOCKS)
+        grid = triton.cdiv(tokens, _COMBINE_BLOCKS["BLOCK_T"]), triton.cdiv(y.shape[1], _COMBINE_BLOCKS["BLOCK_D"])
+        moe_combine_kernel[grid](y, slot_pos, out, tokens, y.shape[1], slots, **_COMBINE_BLOCKS)
     return out
 
 
-def _combine_backward(dout: torch.Tensor, y: torch.Tensor, slot_pos: torch.Tensor, weight: torch.Tensor,
-                      need_dweight: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gradients of :func:`_combine` (weighted) for ``dout`` (tokens, D): ``dy`` (A, D) in y's
-    dtype, and ``dweight`` (tokens, slots) float32 if ``need_dweight`` (else None)."""
-    (tokens, slots), D = slot_pos.shape, y.shape[1]
-    dy = torch.empty_like(y)
-    grid = _combine_grid(tokens, D)
-    # float32 partial sums of the routing weights' gradient, one per column tile
-    parts = torch.empty(grid[1] if need_dweight else 0, tokens, slots, device=y.device, dtype=torch.float32)
-    if tokens:
-        moe_combine_bwd_kernel[grid](dout.contiguous(), y, slot_pos, weight, dy, parts, tokens, D, slots,
-                                     NEED_DWEIGHT=need_dweight, **_COMBINE_BLOCKS)
-    return dy, parts.sum(0) if need_dweight else None
-
-
 class _FusedExperts(torch.autograd.Function):
-    """``_FusedExperts.apply(x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, out_dtype)``:
+    """``_FusedExperts.apply(x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, out_dtype)``:
     the experts and the combine of :class:`FusedMoE` as one autograd Function.
 
     x: (tokens, d_model); w_gate, w_up: (E, d_model, width), w_down: (E, width, d_model), all in
-    one dtype; weight: (tokens, slots) float32 routing weights; rows: (A,) token of each sorted
-    position; offsets: (E + 1,) group boundaries; slot_pos: (tokens, slots) int32 sorted position
-    of each token's assignments, -1 where empty. Returns (tokens, d_model) in ``out_dtype``. Saves x, the
-    first layer's g, u and h, and the expert outputs y (for the routing weights' gradient)."""
+    one dtype; row_weight: (A,) float32 routing weight of each sorted position; rows: (A,) token
+    of each sorted position; offsets: (E + 1,) group boundaries; slot_pos: (tokens, slots) int32
+    sorted position of each token's assignments, -1 where empty. Returns (tokens, d_model) in
+    ``out_dtype``. Saves x, the first layer's g and u and its weighted output h.
+
+    The routing weight multiplies h (a scalar per row commutes with the down projection), so the
+    combine is a plain sum: the down projection's input gradient reads ``dout`` through ``rows``
+    (as the first layer reads x), the ``(A, d_model)`` gradient of the expert outputs is never
+    written, and the weight's gradient comes out of that kernel's epilogue (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, out_dtype):
+    def forward(ctx, x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, out_dtype):
         A, E, (K, M) = rows.shape[0], w_gate.shape[0], w_gate.shape[1:]
         h, g, u = (torch.empty(A, M, device=x.device, dtype=x.dtype) for _ in range(3))
         if A:
-            _up[_tile_grid(A, E, M)](x, rows, w_gate, w_up, h, g, u, offsets, A, K, M, E, _rows_bucket(A), 0,
-                                     UPCAST=INTERPRET, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E),
+            _up[_tile_grid(A, E, M)](x, rows, row_weight, w_gate, w_up, h, g, u, offsets, A, K, M, E, _rows_bucket(A),
+                                     0, UPCAST=INTERPRET, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E),
                                      **_FWD_BLOCKS)
-        y = _matmul(h, w_down, offsets, 0)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, h, g, u, y)
-        return _combine(y, slot_pos, weight, out_dtype)
+        y = _matmul(h, w_down, offsets, 0)  # already weighted
+        ctx.save_for_backward(x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, h, g, u)
+        return _combine(y, slot_pos, out_dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        x, w_gate, w_up, w_down, weight, rows, offsets, slot_pos, h, g, u, y = ctx.saved_tensors
-        A, D, E = y.shape[0], y.shape[1], w_gate.shape[0]
+        x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, h, g, u = ctx.saved_tensors
+        (A, M), (D, E) = g.shape, (x.shape[1], w_gate.shape[0])
         need = ctx.needs_input_grad
-        dy, dweight = _combine_backward(dout, y, slot_pos, weight, need[4])
+        dout = dout.to(x.dtype).contiguous()  # the matmuls' operand dtype (a no-op unless under autocast)
         dg, du = torch.empty_like(g), torch.empty_like(u)
-        dx_sorted = torch.empty(A, x.shape[1], device=x.device, dtype=x.dtype)
+        dx_sorted = torch.empty(A, D, device=x.device, dtype=x.dtype)
+        # the routing weights' gradient, one float32 partial sum per column tile of the width
+        parts = torch.zeros(triton.cdiv(M, _DOWN_DX_MIN_BLOCK_N) if need[4] else 0, A, device=x.device,
+                            dtype=torch.float32)
         if A:
             wd_t, wg_t, wu_t = (w.transpose(1, 2) for w in (w_down, w_gate, w_up))
             blocks = dict(UPCAST=INTERPRET, PRECISION=_precision(x.dtype), BLOCK_E=_block_e(E), **_FWD_BLOCKS)
-            _down_dx[_tile_grid(A, E, g.shape[1])](dy, wd_t, g, u, dg, du, offsets, A, D, g.shape[1], E,
-                                                   *wd_t.stride(), _rows_bucket(A), 0, **blocks)
-            _up_dx[_tile_grid(A, E, x.shape[1])](dg, du, wg_t, wu_t, dx_sorted, offsets, A, g.shape[1], x.shape[1],
-                                                 E, *wg_t.stride(), _rows_bucket(A), 0, **blocks)
+            _down_dx[_tile_grid(A, E, M)](dout, rows, row_weight, wd_t, g, u, dg, du, parts, offsets, A, D, M, E,
+                                          *wd_t.stride(), _rows_bucket(A), 0, NEED_DWEIGHT=need[4], **blocks)
+            _up_dx[_tile_grid(A, E, D)](dg, du, wg_t, wu_t, dx_sorted, offsets, A, M, D, E, *wg_t.stride(),
+                                        _rows_bucket(A), 0, **blocks)
         dw_gate = _weight_grad(x, dg, offsets, E, 0, rows=rows) if need[1] else None
         dw_up = _weight_grad(x, du, offsets, E, 0, rows=rows) if need[2] else None
-        dw_down = _weight_grad(h, dy, offsets, E, 0) if need[3] else None
-        dx = _combine(dx_sorted, slot_pos, None, x.dtype)
-        return dx, dw_gate, dw_up, dw_down, dweight, None, None, None, None
+        dw_down = _weight_grad(h, dout, offsets, E, 0, dy_rows=rows) if need[3] else None
+        dx = _combine(dx_sorted, slot_pos, x.dtype)
+        return dx, dw_gate, dw_up, dw_down, parts.sum(0) if need[4] else None, None, None, None, None
 
 
 def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, n_tokens: int, n_experts: int,
@@ -293,10 +294,10 @@ def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, 
     Returns ``rows`` (A,): the token of each position once sorted by expert; ``offsets`` (E + 1,)
     int32: where each expert's rows start and end; ``slot_pos`` (tokens, slots): the sorted
     positions of each token's assignments in assignment order (int32), -1 in unused slots;
-    ``slot_weight`` (tokens, slots) float32: their routing weights, 0 in unused slots
-    (differentiable in ``weight``). ``slots`` must be at least the most assignments any token has
-    (top-k for token choice). Boundaries come from ``searchsorted`` on the sorted keys rather than
-    ``bincount``, which on a GPU reads the largest key back to the host and so waits for the GPU."""
+    ``row_weight`` (A,) float32: the routing weight of each sorted position (differentiable in
+    ``weight``). ``slots`` must be at least the most assignments any token has (top-k for token
+    choice). Boundaries come from ``searchsorted`` on the sorted keys rather than ``bincount``,
+    which on a GPU reads the largest key back to the host and so waits for the GPU."""
     A, device = token.shape[0], token.device
     # Both sorts on 32-bit keys: a radix sort makes one pass per 8 bits of its keys, and the
     # ids come as int64.
@@ -311,9 +312,9 @@ def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, 
     slot = torch.arange(A, device=device) - torch.searchsorted(owner, owner)  # rank within its token
     slot_pos = torch.full((n_tokens, slots), -1, dtype=torch.int32, device=device)
     slot_pos[owner, slot] = position[by_token]
-    slot_weight = weight.new_zeros(n_tokens, slots, dtype=torch.float32).index_put((owner, slot),
-                                                                                  weight[by_token].float())
-    return token[order], offsets, slot_pos, slot_weight
+    # gather, not indexing: its backward is a scatter-add, here one float32 add per element (order
+    # is a permutation), where indexing's backward would sort the indices first.
+    return token[order], offsets, slot_pos, weight.float().gather(0, order)
 
 
 class FusedMoE(MoE):
@@ -324,14 +325,14 @@ class FusedMoE(MoE):
     def combine_sorted(self, x, token, expert, weight):
         N, E = x.shape[0], self.n_experts
         slots = E if self.router.kind == "expert_choice" else self.top_k  # most assignments a token can have
-        rows, offsets, slot_pos, slot_weight = slot_table(token, expert, weight, N, E, slots)
+        rows, offsets, slot_pos, row_weight = slot_table(token, expert, weight, N, E, slots)
         dtype = x.dtype
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the matmuls run in autocast's dtype
             dtype = torch.get_autocast_dtype("cuda")
         experts = self.experts
         xs, w_gate, w_up, w_down = (t.to(dtype).contiguous() for t in (x, experts.w_gate, experts.w_up, experts.w_down))
         check_tensors("FusedMoE", x=xs, w_gate=w_gate)
-        return _FusedExperts.apply(xs, w_gate, w_up, w_down, slot_weight, rows, offsets, slot_pos, x.dtype)
+        return _FusedExperts.apply(xs, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, x.dtype)
 
 
 def use_fused_moe(model: nn.Module, enabled: bool = True) -> nn.Module:

@@ -33,6 +33,19 @@ from its own length (a short sequence has empty splits, which return ``l = 0``),
 of splits depends only on the shapes, so a CUDA graph captured once serves every length. With one
 split the kernel writes the output directly and no merge runs.
 
+**Keeping memory busy at large batch.** With hundreds of sequences there are programs enough, and
+what limits the speed is how many bytes are on their way from memory at any moment (a load takes
+about a microsecond to come back; 4 TB/s needs megabytes in flight). The compiled loop fetches the
+next step's keys and values while it computes on the current ones, one step ahead, so each
+program has about one tile in flight: :func:`choose_config` makes the tile large (``BLOCK_S`` of
+128 tokens at head_dim 64, 64 at 128) but no wider than a split's share of the block table, and
+small enough in registers and shared memory for several programs to share an SM. The block size
+is a compile-time constant, so finding a token's block and row costs a shift and a mask, not a
+division. The KV head is the fastest-varying program index, so the programs of one sequence run
+together and read its pool blocks (where a token's heads lie side by side) at the same time. The
+tile is chosen from shapes, not timed: the engine compiles the kernel while capturing a CUDA graph
+on placeholder rows of one token, on which every tile looks equally fast.
+
 The reference it is checked against is :func:`lmfs.inference.kv_cache.paged_attention_reference`
 (gather the blocks, plain attention).
 """
@@ -43,22 +56,23 @@ import math
 
 import torch
 
-from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, config_str, n_candidates, sm_count, tl,
-                                  triton)
+from lmfs.kernels._triton import INTERPRET, check_tensors, sm_count, tl, triton
 
 
-@triton.jit(do_not_specialize=["N_CANDIDATES"])
+@triton.jit
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, scale, max_blocks,
-                        block_size, n_heads, n_kv_heads, N_CANDIDATES, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                        n_heads, n_kv_heads, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Attention of the ``GROUP`` query heads of KV head ``program_id(1)`` of sequence
-    ``program_id(0)`` over split ``program_id(2)`` of its tokens. q is (B, n_heads, HEAD_DIM), caches
-    (blocks, block_size, n_kv_heads, HEAD_DIM), all contiguous. With one split ``out`` is the
-    output (B, n_heads, HEAD_DIM); with several it is the float32 partial ``acc``
+    """Attention of the ``GROUP`` query heads of KV head ``program_id(0)`` of sequence
+    ``program_id(1)`` over split ``program_id(2)`` of its tokens. q is (B, n_heads, HEAD_DIM), caches
+    (blocks, PAGE, n_kv_heads, HEAD_DIM), all contiguous. With one split ``out`` is the output
+    (B, n_heads, HEAD_DIM); with several it is the float32 partial ``acc``
     (B, n_heads, NUM_SPLITS, HEAD_DIM) and ``m``, ``l`` (B, n_heads, NUM_SPLITS) are written too."""
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # The KV head varies fastest from one program to the next, so the programs of one sequence run
+    # side by side and read its pool blocks together: the heads of a token sit next to each other.
+    kv_head = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     # This split's tokens: an equal share of the sequence, rounded up to whole steps of BLOCK_S.
@@ -78,12 +92,14 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_pt
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     token_stride = n_kv_heads * HEAD_DIM  # between consecutive tokens (rows) of one pool block
+    table = tables_ptr + b.to(tl.int64) * max_blocks
     for start in range(first, last, BLOCK_S):
         tokens = start + tl.arange(0, BLOCK_S)
         token_ok = tokens < last
-        # The block table turns a token position into a pool block; the remainder is its row there.
-        block = tl.load(tables_ptr + b.to(tl.int64) * max_blocks + tokens // block_size, mask=token_ok, other=0)
-        row = block.to(tl.int64) * block_size + tokens % block_size
+        # The block table turns a token position into a pool block; the remainder is its row there
+        # (PAGE is a compile-time power of two or not: either way no run-time division is left).
+        block = tl.load(table + tokens // PAGE, mask=token_ok, other=0)
+        row = block.to(tl.int64) * PAGE + tokens % PAGE  # int64: a pool may hold over 2^31 elements
         kv_offsets = (row * token_stride + kv_head * HEAD_DIM)[:, None] + dims[None, :]  # (BLOCK_S, BLOCK_D)
         kv_mask = token_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
@@ -130,30 +146,27 @@ def paged_decode_merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, HEAD_DIM: tl.const
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-# Autotuning candidates on a GPU: (BLOCK_S, warps, stages), the likeliest first. Each step loads
-# BLOCK_S keys and values of HEAD_DIM elements; 64 tokens of 128 dims in 16 bits are 16 KB each.
-_CANDIDATES = [(64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 2), (16, 4, 4)]
-_CONFIG_OBJECTS = [triton.Config({"BLOCK_S": s}, num_warps=w, num_stages=st) for s, w, st in _CANDIDATES]
+# Tokens per step: the keys (and values) one step loads are BLOCK_S × head_dim elements. The
+# compiled loop prefetches the next step's tile while the current one is used, one tile deep, so a
+# program has about one tile of keys and values in flight at a time: the bigger the tile, the more
+# bytes each trip to memory brings. 8192 elements (16 KB in 16 bits) keeps the registers and shared
+# memory of one program small enough for several to share an SM.
+_TILE_ELEMENTS = 8192
 
 
-def _prune(configs, named_args, **kwargs):
-    n = {**named_args, **kwargs}["N_CANDIDATES"]
-    return configs[:n or None]
+def choose_config(head_dim: int, max_tokens: int, num_splits: int) -> tuple[int, int, int]:
+    """The kernel's ``(BLOCK_S, num_warps, num_stages)`` from shapes only (never from the lengths,
+    so one CUDA graph serves them all): tiles of about ``_TILE_ELEMENTS`` keys' elements, but no
+    wider than a split's share of ``max_tokens`` (the block table's width in tokens) rounded up to a
+    power of two, so a short split does not load a mostly masked tile; at least 16 (``tl.dot``'s
+    smallest size). Four warps; two stages (the loop loads step ``i + 1`` while computing step ``i``).
 
-
-if INTERPRET:  # the interpreter cannot time anything: one fixed block of tokens
-    _kernel = paged_decode_kernel
-    _BLOCKS = {"BLOCK_S": 32}
-else:
-    _kernel = triton.autotune(_CONFIG_OBJECTS, key=["HEAD_DIM", "GROUP", "NUM_SPLITS", "N_CANDIDATES"],
-                              prune_configs_by={"early_config_prune": _prune}, do_bench=autotune_bench)(
-        paged_decode_kernel)
-    _BLOCKS = {}
-
-
-def autotune_choice() -> str:
-    """Tokens per step, warps and stages of the latest launch (fixed ones under the interpreter)."""
-    return config_str(_BLOCKS if INTERPRET else getattr(_kernel, "best_config", None))
+    The configuration is chosen here rather than by Triton's autotuner because the engine compiles
+    the kernel while capturing its CUDA graphs, on placeholder rows of one token each: timings of
+    such calls cannot tell a good tile from a bad one."""
+    widest = max(16, _TILE_ELEMENTS // max(16, triton.next_power_of_2(head_dim)))
+    share = triton.next_power_of_2(max(1, math.ceil(max_tokens / num_splits)))
+    return max(16, min(widest, share)), 4, 2
 
 
 def _check(fn: str, q, k_cache, v_cache, block_tables, seq_lens) -> None:
@@ -188,19 +201,19 @@ def choose_splits(batch: int, n_kv_heads: int, max_tokens: int, device: torch.de
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float | None = None,
-                           autotune_candidates: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
+                           config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache; shapes in the module
     docstring. ``scale`` defaults to ``1/sqrt(head_dim)``. Query head ``h`` reads KV head
     ``h // (n_heads // n_kv_heads)``. The sequence's tokens are ``0 .. seq_lens[b] − 1`` (all of them
     attend: the new token is the last one, so no causal mask is needed). float32/float16/bfloat16,
-    float32 softmax; on a CUDA GPU (or the CPU under Triton's interpreter). ``autotune_candidates``:
-    on a GPU, how many block-size candidates the autotuner tries (None: all). ``num_splits``: pieces
+    float32 softmax; on a CUDA GPU (or the CPU under Triton's interpreter). ``num_splits``: pieces
     each sequence is cut into (a power of two; None: :func:`choose_splits` from the batch size, the
-    KV heads, the block table's width and the GPU's SM count).
+    KV heads, the block table's width and the GPU's SM count). ``config``: ``(BLOCK_S, num_warps,
+    num_stages)`` to force (BLOCK_S a power of two ≥ 16; the benchmark compares them); None:
+    :func:`choose_config` from the shapes.
     """
     device = check_tensors("paged_decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
-    candidates = n_candidates("paged_decode_attention", autotune_candidates)
     _check("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens)
     B, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
@@ -209,11 +222,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
     lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
+    max_tokens = tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_splits(B, n_kv_heads, tables.shape[1] * block_size, device)
+        num_splits = choose_splits(B, n_kv_heads, max_tokens, device)
     elif num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"paged_decode_attention: num_splits={num_splits} must be a power of two (1, 2, 4, ...), "
                          "or None to choose it from the shapes")
+    block_s, warps, stages = choose_config(head_dim, max_tokens, num_splits) if config is None else config
+    if block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"paged_decode_attention: config={config} must start with a power of two ≥ 16 "
+                         "(tokens per step), e.g. (64, 4, 2), or be None")
     out = torch.empty_like(q)
     if B == 0:
         return out
@@ -224,10 +242,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         acc = torch.empty(B, n_heads, num_splits, head_dim, device=device, dtype=torch.float32)
         m = torch.empty(B, n_heads, num_splits, device=device, dtype=torch.float32)
         l = torch.empty_like(m)
-    _kernel[(B, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, lens, acc, m, l, scale, tables.shape[1], block_size, n_heads, n_kv_heads,
-        candidates, HEAD_DIM=head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=BLOCK_D,
-        NUM_SPLITS=num_splits, UPCAST=INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **_BLOCKS)
+    paged_decode_kernel[(n_kv_heads, B, num_splits)](
+        q, k_cache, v_cache, tables, lens, acc, m, l, scale, tables.shape[1], n_heads, n_kv_heads,
+        HEAD_DIM=head_dim, PAGE=block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=BLOCK_D, BLOCK_S=block_s, NUM_SPLITS=num_splits, UPCAST=INTERPRET,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     if num_splits > 1:
         paged_decode_merge_kernel[(B * n_heads,)](acc, m, l, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
                                                   BLOCK_D=BLOCK_D)
@@ -239,7 +258,7 @@ def paged_decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
                               scale: float | None = None) -> torch.Tensor:
     """:func:`paged_decode_attention` as a PyTorch operator, which ``torch.compile`` calls as it is
-    instead of tracing into the launcher (its checks, the autotuner): what the engine's compiled
+    instead of tracing into the launcher (its checks, its choice of splits and tiles): what the engine's compiled
     decode step uses."""
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
@@ -249,5 +268,5 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
     return torch.empty_like(q)
 
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_op", "paged_decode_kernel", "paged_decode_merge_kernel", "choose_splits",
-           "autotune_choice"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_op", "paged_decode_kernel", "paged_decode_merge_kernel",
+           "choose_splits", "choose_config"]
