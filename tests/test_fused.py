@@ -14,9 +14,10 @@ from helpers import DEVICE, forward_backward, model_of, randn, tiny
 import lmfs.kernels.fused as fused
 import lmfs.kernels.loss as loss_module
 from lmfs.kernels import INTERPRET, linear_cross_entropy
-from lmfs.kernels.fused import ChunkedLossLM, FusedAttention, FusedGatedMLP, fuse_model, fused_linear, rope_qkv, swiglu
+from lmfs.kernels.fused import (ChunkedLossLM, FusedAttention, FusedGatedMLP, FusedRMSNorm, fuse_model, fused_linear,
+                                rope_qkv, swiglu)
 from lmfs.kernels.loss import _LinearCrossEntropy, cross_entropy_rows
-from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, TransformerConfig, TransformerLM
+from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, RMSNorm, TransformerConfig, TransformerLM
 from lmfs.nn.positions import apply_rope, rope_angles
 
 
@@ -49,6 +50,17 @@ def kernels_on_the_cpu(monkeypatch):
     """Let the fused modules take their GPU kernel path here (the kernels run in Triton's
     interpreter): the same condition as on a GPU, without the CUDA requirement."""
     monkeypatch.setattr(fused, "kernels_apply", lambda x, weight: fused.autocast_casts(x, weight))
+    monkeypatch.setattr(fused, "norm_kernel_applies", fused.norm_kernel_fits)
+
+
+def count_calls(monkeypatch, *names) -> dict:
+    """Count the calls of ``lmfs.kernels.fused``'s functions ``names`` (they still run)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name: calls.update({name: calls[name] + 1})
+                            or real(*a))
+    return calls
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,6 +74,10 @@ def test_fuse_model_keeps_parameters_and_state_dict_keys():
     assert fuse_model(model) is model
     assert type(model) is ChunkedLossLM and isinstance(model, TransformerLM)
     assert all(type(b.attn) is FusedAttention and type(b.mlp) is FusedGatedMLP for b in model.blocks)
+    assert not any(type(m) is FusedRMSNorm for m in model.modules())  # norms: only when asked for
+    fuse_model(model, norms=True)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * len(model.blocks) + 1 and all(type(m) is FusedRMSNorm for m in norms)
     assert list(model.parameters()) == params
     assert model.state_dict().keys() == plain.state_dict().keys()
     for key, value in plain.state_dict().items():
@@ -69,6 +85,7 @@ def test_fuse_model_keeps_parameters_and_state_dict_keys():
     fuse_model(model, projections=False, chunked_loss=False)  # back to the plain classes
     assert type(model) is TransformerLM
     assert all(type(b.attn) is CausalSelfAttention and type(b.mlp) is GatedMLP for b in model.blocks)
+    assert all(type(m) is RMSNorm for m in norms)
     with pytest.raises(TypeError, match="TransformerLM"):
         fuse_model(model.blocks[0])
 
@@ -78,7 +95,7 @@ def test_fuse_model_keeps_parameters_and_state_dict_keys():
 def test_fused_model_in_fp32_is_the_plain_model(overrides, monkeypatch):
     """Without autocast the fused modules run the plain matmuls: logits bit for bit the same."""
     monkeypatch.setattr(fused, "fused_linear", lambda *a, **k: pytest.fail("fp32 needs no stacked copy"))
-    plain, model = twins(tiny(**overrides), chunked_loss=False)
+    plain, model = twins(tiny(**overrides), chunked_loss=False, norms=True)  # FusedRMSNorm: CUDA only
     idx = tokens()
     torch.testing.assert_close(model(idx, idx)[0], plain(idx, idx)[0], rtol=0, atol=0)
 
@@ -319,11 +336,7 @@ def test_fast_model_kernel_path_matches_plain_model(monkeypatch, n_kv_heads):
     """fuse_model with fused projections under bf16 autocast: the Triton kernels (rope_qkv, swiglu)
     against the plain model; loss and every gradient."""
     kernels_on_the_cpu(monkeypatch)
-    calls = {"rope_qkv": 0, "swiglu": 0}
-    for name in calls:
-        real = getattr(fused, name)
-        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name: calls.update({name: calls[name] + 1})
-                            or real(*a))
+    calls = count_calls(monkeypatch, "rope_qkv", "swiglu")
     config = TransformerConfig(vocab_size=128, context_length=32, d_model=64, n_layers=2, n_heads=4,
                                n_kv_heads=n_kv_heads)
     plain, model = twins(config, chunked_loss=False)
@@ -354,3 +367,101 @@ def test_activation_formula_with_the_kernels(monkeypatch):
         parts = training_memory(config, *x.shape, compute_bytes=2, fused_projections=True, triton_kernels=True)
         predicted = parts["weight_copies"] + parts["activations"] + parts["logits"] // 3
         assert 0 <= measured - predicted <= 4, (n_kv_heads, measured, predicted)  # 4: nll's total weight
+
+
+# ----------------------------------------------------------------------------------------------
+# FusedRMSNorm: the Triton RMSNorm where it computes the plain module's function
+
+
+def norm_results(model, idx, autocast=False) -> list[torch.Tensor]:
+    """Loss and every parameter's gradient, in float32 (the norms' gains, loss first)."""
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, idx)[1]
+    return [loss.float()] + [g.float() for g in grads_of(loss, model).values()]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="forces the kernel path on the CPU, through the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("overrides", [dict(), dict(qk_norm=True, n_kv_heads=2)], ids=str)
+def test_fused_norms_match_the_plain_model(dtype, overrides, monkeypatch):
+    """norms=True: every RMSNorm (blocks, final, QK-norm) through rms_norm; loss and every gradient
+    equal the plain model's, the model in float32 and in float16 (weights and activations)."""
+    kernels_on_the_cpu(monkeypatch)
+    calls = count_calls(monkeypatch, "rms_norm")
+    config = tiny(**overrides)
+    plain, model = twins(config, projections=False, triton=False, chunked_loss=False, norms=True)
+    for m in (plain, model):
+        m.to(dtype)
+        for norm in m.modules():  # gains other than 1, so that the weight's place in the formula shows
+            if isinstance(norm, RMSNorm):
+                norm.weight.data = 1 + 0.3 * torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(3)
+                                                         ).to(dtype)
+    idx = tokens()
+    want = norm_results(plain, idx)
+    assert calls["rms_norm"] == 0
+    got = norm_results(model, idx)
+    norms = 2 * config.n_layers + 1 + (2 * config.n_layers if config.qk_norm else 0)
+    assert calls["rms_norm"] == norms  # every norm took the kernel
+    # float32: rounding only. float16: the kernel rounds x̂·w once where the plain norm rounds x̂ first.
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-2)
+    assert_all_close(got, want, **tol)
+    assert model.final_norm(torch.randn(2, config.d_model, dtype=dtype)).dtype == dtype
+
+
+@pytest.mark.skipif(not INTERPRET, reason="forces the kernel path on the CPU, through the interpreter")
+def test_fused_norms_under_autocast_take_the_kernel_on_the_float32_stream_only(monkeypatch):
+    """Under bf16 autocast the residual stream is float32, and so are the block and final norms'
+    inputs and outputs: the kernel. QK-norm's inputs are bf16 heads with float32 gains, where
+    the plain module returns float32 of a rounded x̂: the plain forward, the same result bit for bit."""
+    kernels_on_the_cpu(monkeypatch)
+    calls = count_calls(monkeypatch, "rms_norm")
+    config = tiny(qk_norm=True)
+    plain, model = twins(config, chunked_loss=False, norms=True)
+    idx = tokens()
+    want, got = norm_results(plain, idx, autocast=True), norm_results(model, idx, autocast=True)
+    assert calls["rms_norm"] == 2 * config.n_layers + 1
+    assert_all_close(got, want, atol=1e-3, rtol=1e-2)  # bf16 matmuls around float32-equal norms
+
+    norm = model.blocks[0].attn.q_norm
+    q = torch.randn(2, 4, 5, 8).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(q)
+    assert out.dtype == torch.float32 and calls["rms_norm"] == 2 * config.n_layers + 1  # not the kernel
+    torch.testing.assert_close(out, RMSNorm.forward(norm, q), rtol=0, atol=0)
+
+
+def test_fused_norm_falls_back_where_the_kernel_does_not_apply(monkeypatch):
+    """The plain forward (bit for bit) on the CPU without the interpreter switch, without autograd,
+    and for mixed dtypes; the kernel path on CUDA tensors only."""
+    calls = count_calls(monkeypatch, "rms_norm")
+    norm = fuse_model(model_of(tiny()), norms=True).final_norm
+    assert type(norm) is FusedRMSNorm
+    x = torch.randn(3, 7, 32)
+    x16 = x.to(torch.bfloat16)  # with float32 gains the plain module returns float32
+    for t in (x, x16):  # CPU tensors: the kernel is for CUDA ones
+        torch.testing.assert_close(norm(t), RMSNorm.forward(norm, t), rtol=0, atol=0)
+    kernels_on_the_cpu(monkeypatch)  # from here on CPU tensors count as CUDA ones
+    with torch.no_grad():  # no autograd: inference keeps the plain forward
+        torch.testing.assert_close(norm(x), RMSNorm.forward(norm, x), rtol=0, atol=0)
+    out = norm(x16)  # mixed dtypes
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, RMSNorm.forward(norm, x16), rtol=0, atol=0)
+    assert calls["rms_norm"] == 0
+    if INTERPRET:
+        norm(x)  # one dtype, autograd on: the kernel
+        assert calls["rms_norm"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", [dict(), dict(qk_norm=True, n_kv_heads=2)], ids=str)
+def test_fused_norms_in_bf16_autocast_gpu(overrides, monkeypatch):
+    """fuse_model with every switch and norms=True on a GPU, under bf16 autocast as the GRPO update
+    runs: loss and gradients against the plain model, and the norm kernel did run."""
+    config = TransformerConfig(vocab_size=256, context_length=128, d_model=256, n_layers=2, n_heads=4, **overrides)
+    plain, model = (m.cuda() for m in twins(config, chunked_loss=False, norms=True))
+    idx = tokens(B=4, T=128, vocab=256).cuda()
+    calls = count_calls(monkeypatch, "rms_norm")
+    got = norm_results(model, idx, autocast=True)
+    assert calls["rms_norm"] == 2 * config.n_layers + 1  # blocks and final norm; QK-norm's bf16 heads: plain
+    want = norm_results(plain, idx, autocast=True)
+    assert_all_close(got, want, atol=2e-3, rtol=3e-2)

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lmfs.accounting import flops_per_token, matmul_params, param_count
 from lmfs.nn import GatedMLP, Linear, TransformerConfig, TransformerLM, count_params
-from lmfs.nn.moe import MoE, ROUTERS, capacity, device_balance_loss, router_z_loss, switch_loss, upcycle
+from lmfs.nn.moe import MoE, ROUTERS, bin_counts, capacity, device_balance_loss, router_z_loss, switch_loss, upcycle
 
 D, F_, E = 16, 24, 4
 
@@ -105,6 +105,49 @@ def test_capacity_drops_the_overflow_in_token_order():
     assert (y[2:] == 0).all()  # dropped tokens get nothing (the residual carries them)
     with pytest.raises(ValueError, match="capacity_factor"):
         moe(capacity_factor=0.0)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("router", ROUTERS)
+def test_kept_and_dropped_count_the_assignments_that_are_kept(router, capacity_factor):
+    """``kept`` is the load where nothing can be dropped, the load capped at C otherwise: either
+    way the count of the assignments that come out of the capacity step."""
+    layer = moe(router, capacity_factor=capacity_factor)
+    x, ids = inputs(40)
+    routing = layer.router(x, ids, capacity_factor)
+    token, expert, _ = layer.drop_over_capacity(routing, 40)
+    assert torch.equal(layer.stats["load"], torch.bincount(routing.expert, minlength=E))
+    assert torch.equal(layer.stats["kept"], torch.bincount(expert, minlength=E))
+    if router == "expert_choice":  # tokens that no expert picked
+        assert int(layer.stats["dropped"]) == 40 - len(set(token.tolist()))
+    else:
+        assert int(layer.stats["dropped"]) == len(routing.expert) - len(expert)
+        assert (int(layer.stats["dropped"]) > 0) == (capacity_factor is not None)  # C = 15 < the mean load 20
+
+
+def test_bin_counts_is_bincount():
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([], dtype=torch.long), 4), (torch.zeros(3, dtype=torch.long), 1),
+             (torch.tensor([4, 0, 4, 2]), 5), (torch.tensor([1, 1]), 1000),
+             (torch.randint(64, (131072,), generator=g), 64), (torch.randint(5000, (20000,), generator=g), 5000)]
+    for ids, n in cases:
+        got = bin_counts(ids, n)
+        assert got.dtype == torch.long and torch.equal(got, torch.bincount(ids, minlength=n)), (ids, n)
+
+
+@pytest.mark.gpu
+def test_bin_counts_on_gpu_is_exact_and_does_not_wait_for_the_gpu():
+    """Counting must not read anything back to the host: the sync debug mode makes such a read an error."""
+    ids = torch.randint(64, (131072,), device="cuda")
+    big = torch.randint(16384, (16384,), device="cuda")  # expert choice counts per token
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, got_big = bin_counts(ids, 64), bin_counts(big, 16384)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, torch.bincount(ids, minlength=64))
+    assert torch.equal(got_big, torch.bincount(big, minlength=16384))
 
 
 def test_bias_updates_move_the_load_toward_uniform():

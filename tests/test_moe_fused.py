@@ -110,16 +110,22 @@ def random_layout(T, slots, D, seed=0):
     return torch.randn(A, D, generator=g).to(DEVICE), slot_pos.to(DEVICE)
 
 
+@pytest.mark.parametrize("base_dtype", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,slots,D", [(1, 2, 20), (16, 3, 48), (37, 1, 20), (37, 8, 33)])
-def test_combine_kernel_matches_a_loop_over_slots(T, slots, D):
+def test_combine_kernel_matches_a_loop_over_slots(T, slots, D, base_dtype):
     """The combine against PyTorch indexing; T and D on and off the kernel's blocks, empty
-    slots, top-1 up to top-8."""
+    slots, top-1 up to top-8; without a base, and with one (the shared experts' output) in the
+    output's dtype or in bfloat16."""
     y, slot_pos = random_layout(T, slots, D, seed=T + D)
+    base = None
     want = torch.zeros(T, D, device=y.device)
+    if base_dtype is not None:
+        base = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(DEVICE, base_dtype)
+        want = base.float().clone()  # not base itself: want is added to in place
     for j in range(slots):
         used = slot_pos[:, j] >= 0
         want[used] += y[slot_pos[used, j].long()]
-    torch.testing.assert_close(_combine(y, slot_pos, torch.float32), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_combine(y, slot_pos, torch.float32, base=base), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("router,capacity_factor", [("softmax_topk", None), ("sigmoid", 0.75)])

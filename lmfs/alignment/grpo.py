@@ -75,7 +75,8 @@ class GRPOConfig:
     ``autocast``: ``"auto"`` (bfloat16 on CUDA, off elsewhere), ``"bf16"`` or ``"off"``: the dtype the
     update and the rollouts compute in (the weights stay float32); ``fused_update``: compute the
     policy through :func:`lmfs.kernels.fused.fuse_model`
-    (``chunked_loss=False``; its modules change class, its parameters and state dict stay);
+    (``chunked_loss=False, norms=True``: one matmul for q/k/v and for gate/up, Triton RoPE, SwiGLU and
+    RMSNorm on CUDA; its modules change class, its parameters and state dict stay);
     ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
     and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
     (0: never), with ``eval_samples`` answers per problem.
@@ -254,7 +255,8 @@ class GRPOTrainer:
         self.autocast = resolve_autocast(config.autocast, self.device)
         if config.fused_update:   # before the reference is copied from it, so that the copy is fused too
             from lmfs.kernels.fused import fuse_model
-            fuse_model(policy, chunked_loss=False)
+            # the log-probs need the logits, so no chunked loss; norms: the Triton RMSNorm in the update
+            fuse_model(policy, chunked_loss=False, norms=True)
         self.context_length = policy.config.context_length
         self.problems, self.prompts = self._encode(train_problems, "train_problems")
         self.eval_problems = list(eval_problems) if eval_problems is not None else None

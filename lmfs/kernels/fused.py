@@ -17,6 +17,12 @@ dict, the same loss and gradients up to rounding):
 * ``chunked_loss``: with targets, the model returns ``(None, loss)``, the loss computed by
   :func:`lmfs.kernels.loss.linear_cross_entropy` a chunk of rows at a time, without keeping the
   ``(B, T, vocab)`` logits (:class:`ChunkedLossLM`).
+* ``norms`` (off unless asked for): the RMSNorms become :class:`FusedRMSNorm`, which in training
+  on a CUDA GPU computes through :func:`lmfs.kernels.rmsnorm.rms_norm`, one Triton kernel forward
+  and one backward (plus a small sum for the weight's gradient), instead of the written-out
+  norm's chain of elementwise kernels each way, whose backward (``MulBackward0``,
+  ``PowBackward0``) led a GPU profile of the GRPO update. Only where the kernel computes the plain
+  module's function in the plain module's dtype (:func:`norm_kernel_applies`).
 
 SDPA's kernel can be chosen too, for a whole forward pass: :func:`prefer_sdpa_backend`.
 
@@ -67,7 +73,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmfs.kernels._triton import INTERPRET, check_tensors, tl, triton
 from lmfs.kernels.loss import linear_cross_entropy
-from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, TransformerLM
+from lmfs.kernels.rmsnorm import MAX_COLS, rms_norm
+from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, RMSNorm, TransformerLM
 from lmfs.nn.positions import rope_angles
 
 
@@ -355,6 +362,39 @@ class FusedGatedMLP(GatedMLP):
         return self.down(self.act(gate) * up)
 
 
+def norm_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :class:`FusedRMSNorm` takes :func:`~lmfs.kernels.rmsnorm.rms_norm` for ``x``: on a
+    CUDA GPU where the kernel computes what :class:`~lmfs.nn.RMSNorm` does (:func:`norm_kernel_fits`)."""
+    return x.is_cuda and norm_kernel_fits(x, weight)
+
+
+def norm_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`~lmfs.kernels.rmsnorm.rms_norm` computes :class:`~lmfs.nn.RMSNorm`'s function
+    on ``x``, in its dtype, and is worth it, whatever the device.
+
+    The plain module returns ``weight * x̂.to(x.dtype)``, the promoted dtype of ``x`` and ``weight``
+    (float32 for a bfloat16 ``x`` and float32 weights: QK-norm's heads under autocast), and the
+    kernel ``x``'s dtype, so only ``x`` and ``weight`` of one dtype qualify. That includes autocast's
+    float32 residual stream with float32 weights; with 16-bit ``x`` and ``weight`` the kernel
+    rounds ``x̂ · weight`` once where the plain module rounds ``x̂`` first (the same function up to
+    rounding). Only while autograd records: the kernels pay off in the backward, and inference
+    has fused norms of its own (:mod:`lmfs.kernels.decode`) in steps captured as CUDA graphs.
+    Rows longer than one program holds and empty inputs stay in PyTorch.
+    """
+    return torch.is_grad_enabled() and x.dtype == weight.dtype and x.numel() > 0 and x.shape[-1] <= MAX_COLS
+
+
+class FusedRMSNorm(RMSNorm):
+    """:class:`~lmfs.nn.RMSNorm` through :func:`~lmfs.kernels.rmsnorm.rms_norm`'s Triton kernels,
+    forward and backward, where they compute the same function (:func:`norm_kernel_applies`);
+    the plain forward elsewhere. Made by :func:`fuse_model` with ``norms``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_kernel_applies(x, self.weight):
+            return rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
 class ChunkedLossLM(TransformerLM):
     """:class:`~lmfs.nn.TransformerLM` whose loss never keeps the logits: with targets,
     ``forward`` returns ``(None, loss)``, the head and the loss computed chunk by chunk by
@@ -375,14 +415,17 @@ class ChunkedLossLM(TransformerLM):
 
 
 def fuse_model(model: TransformerLM, *, projections: bool = True, triton: bool = True,
-               chunked_loss: bool = True) -> TransformerLM:
+               chunked_loss: bool = True, norms: bool = False) -> TransformerLM:
     """Make a built ``model`` compute faster, in place, and return it (see the module docstring).
 
     ``projections``: attention and gated MLPs become :class:`FusedAttention` and
     :class:`FusedGatedMLP` (``False`` turns them back into the plain modules). ``triton``: their
     Triton kernels, which read the fused projections' output and so need ``projections``, and the
     loss kernel of the chunked loss; used only on CUDA tensors under autocast. ``chunked_loss``:
-    the model becomes a :class:`ChunkedLossLM`. Only the class of each module changes, so
+    the model becomes a :class:`ChunkedLossLM`. ``norms``: every :class:`~lmfs.nn.RMSNorm` (the
+    blocks' and the final one, QK-norm's, MLA's latent norm) becomes a :class:`FusedRMSNorm`,
+    whose Triton kernel runs in training on CUDA tensors (:func:`norm_kernel_applies`), with or
+    without autocast; ``False`` turns them back. Only the class of each module changes, so
     parameters, buffers, state-dict keys, an optimizer built on ``model.parameters()`` and the
     function computed all stay.
     """
@@ -395,6 +438,8 @@ def fuse_model(model: TransformerLM, *, projections: bool = True, triton: bool =
         elif type(module) in (GatedMLP, FusedGatedMLP):
             module.__class__ = FusedGatedMLP if projections else GatedMLP
             module.triton = triton
+        elif type(module) in (RMSNorm, FusedRMSNorm):
+            module.__class__ = FusedRMSNorm if norms else RMSNorm
     if type(model) in (TransformerLM, ChunkedLossLM):
         model.__class__ = ChunkedLossLM if chunked_loss else TransformerLM
         model.triton = triton

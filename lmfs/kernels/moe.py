@@ -21,8 +21,10 @@ the benchmark's shape the grouped matmuls take a third of the layer's time (docs
   ``slot_pos[t, j]`` (``-1`` for an empty slot: a dropped assignment, or fewer experts under
   expert choice). So ``out[t] = Σ_j y[slot_pos[t, j]]`` is a gather and a sum, a tile of tokens
   × columns per program with all of its k row loads in flight at once: no scatter, no atomic
-  adds (16-bit ones are compare-and-swap loops on a GPU). The input's gradient, a sum over each
-  token's sorted rows, is the same gather-and-sum.
+  adds (16-bit ones are compare-and-swap loops on a GPU). The shared experts' output is the
+  accumulator's starting value, so adding it costs one more read instead of a separate pass
+  over the output (its gradient is the output's). The input's gradient, a sum over each token's
+  sorted rows, is the same gather-and-sum.
 * **No gradient of the expert outputs.** Row ``p`` of that gradient would be ``dout[rows[p]]``,
   a copy of the output's gradient in sorted order; the down projection's input gradient and
   weight gradient read ``dout`` through ``rows`` instead, like the first layer reads ``x``. The
@@ -152,11 +154,12 @@ def moe_up_dx_kernel(dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, offsets_ptr, N, K, 
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, slot_pos_ptr, out_ptr, T, D, SLOTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-    """``out[t] = Σ_j y[slot_pos[t, j]]`` for a tile of BLOCK_T tokens × BLOCK_D columns; slots
-    with ``slot_pos = -1`` add nothing. y: (A, D), out: (T, D), slot_pos (int32): (T, SLOTS); all
-    contiguous. Sums in float32.
+def moe_combine_kernel(y_ptr, slot_pos_ptr, base_ptr, out_ptr, T, D, SLOTS: tl.constexpr, HAS_BASE: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = base[t] + Σ_j y[slot_pos[t, j]]`` for a tile of BLOCK_T tokens × BLOCK_D columns;
+    slots with ``slot_pos = -1`` add nothing, and without ``HAS_BASE`` there is no ``base`` term.
+    y: (A, D), base and out: (T, D), slot_pos (int32): (T, SLOTS); all contiguous, base in any
+    float dtype. Sums in float32.
 
     The loop over slots is unrolled, so the SLOTS row loads of every token of the tile are issued
     before the first one is needed: a gather of scattered rows is bound by how many loads are in
@@ -165,14 +168,18 @@ def moe_combine_kernel(y_ptr, slot_pos_ptr, out_ptr, T, D, SLOTS: tl.constexpr, 
     tok_ok = tokens < T
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    offs = tokens.to(tl.int64)[:, None] * D + cols[None, :]
+    mask = tok_ok[:, None] & col_ok[None, :]
+    if HAS_BASE:
+        acc = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(SLOTS):
         pos = tl.load(slot_pos_ptr + tokens * SLOTS + j, mask=tok_ok, other=-1)
         used = pos >= 0
         acc += tl.load(y_ptr + pos.to(tl.int64)[:, None] * D + cols[None, :], mask=used[:, None] & col_ok[None, :],
                        other=0.0).to(tl.float32)
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Tile shapes of the three matmul kernels, as grouped_gemm's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
@@ -225,25 +232,32 @@ def autotune_timings() -> dict[str, dict[str, float]]:
     return timings
 
 
-def _combine(y: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out`` (tokens, D) in ``dtype``: the sum of each token's sorted rows of ``y`` (A, D)."""
+def _combine(y: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype,
+             base: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` (tokens, D) in ``dtype``: the sum of each token's sorted rows of ``y`` (A, D), plus
+    ``base`` (tokens, D) where given (added in float32 before the one rounding to ``dtype``)."""
     tokens, slots = slot_pos.shape
     out = torch.empty(tokens, y.shape[1], device=y.device, dtype=dtype)
+    if base is not None:
+        base = base.contiguous()
     if tokens:
         grid = triton.cdiv(tokens, _COMBINE_BLOCKS["BLOCK_T"]), triton.cdiv(y.shape[1], _COMBINE_BLOCKS["BLOCK_D"])
-        moe_combine_kernel[grid](y, slot_pos, out, tokens, y.shape[1], slots, **_COMBINE_BLOCKS)
+        moe_combine_kernel[grid](y, slot_pos, out if base is None else base, out, tokens, y.shape[1], slots,
+                                 HAS_BASE=base is not None, **_COMBINE_BLOCKS)
     return out
 
 
 class _FusedExperts(torch.autograd.Function):
-    """``_FusedExperts.apply(x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, out_dtype)``:
+    """``_FusedExperts.apply(x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, out_dtype, shared)``:
     the experts and the combine of :class:`FusedMoE` as one autograd Function.
 
     x: (tokens, d_model); w_gate, w_up: (E, d_model, width), w_down: (E, width, d_model), all in
     one dtype; row_weight: (A,) float32 routing weight of each sorted position; rows: (A,) token
     of each sorted position; offsets: (E + 1,) group boundaries; slot_pos: (tokens, slots) int32
-    sorted position of each token's assignments, -1 where empty. Returns (tokens, d_model) in
-    ``out_dtype``. Saves x, the first layer's g and u and its weighted output h.
+    sorted position of each token's assignments, -1 where empty; shared: (tokens, d_model), the
+    shared experts' output, or None. Returns ``shared`` + the routed experts' weighted sum,
+    (tokens, d_model) in ``out_dtype``: the combine kernel adds ``shared`` in its epilogue, and
+    its gradient is the output's. Saves x, the first layer's g and u and its weighted output h.
 
     The routing weight multiplies h (a scalar per row commutes with the down projection), so the
     combine is a plain sum: the down projection's input gradient reads ``dout`` through ``rows``
@@ -251,7 +265,7 @@ class _FusedExperts(torch.autograd.Function):
     written, and the weight's gradient comes out of that kernel's epilogue (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, out_dtype):
+    def forward(ctx, x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, out_dtype, shared):
         A, E, (K, M) = rows.shape[0], w_gate.shape[0], w_gate.shape[1:]
         h, g, u = (torch.empty(A, M, device=x.device, dtype=x.dtype) for _ in range(3))
         if A:
@@ -260,14 +274,16 @@ class _FusedExperts(torch.autograd.Function):
                                      **_FWD_BLOCKS)
         y = _matmul(h, w_down, offsets, 0)  # already weighted
         ctx.save_for_backward(x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, h, g, u)
-        return _combine(y, slot_pos, out_dtype)
+        ctx.shared_dtype = None if shared is None else shared.dtype
+        return _combine(y, slot_pos, out_dtype, base=shared)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, grad):
         x, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, h, g, u = ctx.saved_tensors
         (A, M), (D, E) = g.shape, (x.shape[1], w_gate.shape[0])
         need = ctx.needs_input_grad
-        dout = dout.to(x.dtype).contiguous()  # the matmuls' operand dtype (a no-op unless under autocast)
+        dshared = grad.to(ctx.shared_dtype) if need[9] else None  # shared enters the output as a plain sum
+        dout = grad.to(x.dtype).contiguous()  # the matmuls' operand dtype (a no-op unless under autocast)
         dg, du = torch.empty_like(g), torch.empty_like(u)
         dx_sorted = torch.empty(A, D, device=x.device, dtype=x.dtype)
         # the routing weights' gradient, one float32 partial sum per column tile of the width
@@ -284,7 +300,7 @@ class _FusedExperts(torch.autograd.Function):
         dw_up = _weight_grad(x, du, offsets, E, 0, rows=rows) if need[2] else None
         dw_down = _weight_grad(h, dout, offsets, E, 0, dy_rows=rows) if need[3] else None
         dx = _combine(dx_sorted, slot_pos, x.dtype)
-        return dx, dw_gate, dw_up, dw_down, parts.sum(0) if need[4] else None, None, None, None, None
+        return dx, dw_gate, dw_up, dw_down, parts.sum(0) if need[4] else None, None, None, None, None, dshared
 
 
 def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, n_tokens: int, n_experts: int,
@@ -322,7 +338,19 @@ class FusedMoE(MoE):
     module (module docstring); routing, capacity, balancing, statistics and the shared experts are
     the parent's. SwiGLU experts only. Made by :func:`use_fused_moe`, which swaps the class."""
 
-    def combine_sorted(self, x, token, expert, weight):
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The parent's forward, except that the shared experts' output goes into the combine
+        kernel, which adds it while it writes the routed sum: no separate pass over the output."""
+        if self.dispatch == "loop":
+            return super().forward(x, token_ids)
+        flat = x.reshape(-1, x.shape[-1])                                        # (N, d)
+        routing = self.router(flat, token_ids, self.capacity_factor)
+        token, expert, weight = self.drop_over_capacity(routing, flat.shape[0])
+        shared = None if self.shared is None else self.shared(flat)
+        return self.combine_sorted(flat, token, expert, weight, shared).view_as(x)
+
+    def combine_sorted(self, x, token, expert, weight, shared=None):
+        """The routed experts' weighted sum per token, plus ``shared`` (tokens, d_model) if given."""
         N, E = x.shape[0], self.n_experts
         slots = E if self.router.kind == "expert_choice" else self.top_k  # most assignments a token can have
         rows, offsets, slot_pos, row_weight = slot_table(token, expert, weight, N, E, slots)
@@ -332,7 +360,7 @@ class FusedMoE(MoE):
         experts = self.experts
         xs, w_gate, w_up, w_down = (t.to(dtype).contiguous() for t in (x, experts.w_gate, experts.w_up, experts.w_down))
         check_tensors("FusedMoE", x=xs, w_gate=w_gate)
-        return _FusedExperts.apply(xs, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, x.dtype)
+        return _FusedExperts.apply(xs, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, x.dtype, shared)
 
 
 def use_fused_moe(model: nn.Module, enabled: bool = True) -> nn.Module:

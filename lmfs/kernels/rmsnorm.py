@@ -28,6 +28,10 @@ import torch
 from lmfs.kernels._triton import (INTERPRET, autotune_bench, check_tensors, config_str, row_block, row_warps, sm_count,
                                   tl, triton)
 
+# The longest row one program keeps in registers; rms_norm refuses longer ones (and
+# lmfs.kernels.fused.FusedRMSNorm computes them in PyTorch).
+MAX_COLS = 32768
+
 
 @triton.jit
 def rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_SIZE: tl.constexpr):
@@ -143,7 +147,7 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         x2, weight = x.contiguous().view(-1, x.shape[-1]), weight.contiguous()
         n_rows, n_cols = x2.shape
-        block = row_block("rms_norm", n_cols)
+        block = row_block("rms_norm", n_cols, MAX_COLS)
         y = torch.empty_like(x2)
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         rmsnorm_fwd_kernel[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK_SIZE=block,
@@ -157,7 +161,7 @@ class RMSNormFunction(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         n_rows, n_cols = x2.shape
         dy = dy.contiguous().view(n_rows, n_cols)
-        block = row_block("rms_norm", n_cols)
+        block = row_block("rms_norm", n_cols, MAX_COLS)
         device = x2.device
         # Room for the most programs a candidate may launch; each writes its own row of partial sums.
         most = sm_count(device) * (_BWD_FIXED["PROGRAMS_PER_SM"] if INTERPRET else 8)

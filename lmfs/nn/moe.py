@@ -84,10 +84,18 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def bin_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """``(n,)``: how often each of ``0 .. n-1`` occurs in ``ids``, like ``torch.bincount(ids,
-    minlength=n)``. Not bincount itself: on a GPU it reads the largest id back to size its output,
-    so the host stops queueing work until the GPU catches up, every forward."""
-    return torch.zeros(n, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    """``(n,)`` int64: how often each of ``0 .. n-1`` occurs in the integer ``ids``, like
+    ``torch.bincount(ids, minlength=n)``.
+
+    Not bincount itself: on a GPU it reads the largest id back to size its output, so the host
+    stops queueing work until the GPU catches up, every forward. A histogram with ``n`` unit-wide
+    bins over ``[0, n)`` has one bin per id, and float64 holds every id and every count exactly
+    (below 2⁵³). On a GPU it counts in each block's shared memory first; adding ones straight
+    into ``n`` counters in global memory, with ``n`` = E a few dozen, makes every atomic add wait
+    on the same few addresses. (``torch.use_deterministic_algorithms`` refuses ``histc`` on a GPU,
+    although integer counts come out the same in any order: pass ``warn_only=True`` there.)
+    """
+    return torch.histc(ids.double(), bins=n, min=0, max=n).long()
 
 
 @dataclass
@@ -338,6 +346,7 @@ class MoE(nn.Module):
         E = self.n_experts
         token, expert, weight = routing.token, routing.expert, routing.weight
         load = bin_counts(expert, E)
+        kept = load                                                 # unless the capacity drops some
         C = capacity(N, self.top_k, E, self.capacity_factor)
         if C is not None and self.router.kind != "expert_choice":  # expert choice is capped already
             # Rank of each assignment within its expert's queue, in assignment order.
@@ -347,7 +356,7 @@ class MoE(nn.Module):
             rank[order] = torch.arange(len(order), device=order.device) - starts[expert[order]]
             keep = rank < C
             token, expert, weight = token[keep], expert[keep], weight[keep]
-        kept = bin_counts(expert, E)
+            kept = load.clamp(max=C)                                # each expert's first C
         if self.router.kind == "expert_choice":   # "dropped": tokens no expert picked
             dropped = (bin_counts(token, N) == 0).sum()
         else:
