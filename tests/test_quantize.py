@@ -180,3 +180,14 @@ def test_quant_linear_gpu_kernel_matches_cpu_path():
     cpu = model(x)[0]
     gpu = model.to("cuda", torch.bfloat16)(x.cuda())[0]
     torch.testing.assert_close(gpu.float().cpu(), cpu, atol=5e-2, rtol=5e-2)
+
+
+def test_quantize_model_passes_autotune_candidates_to_every_layer():
+    model = quantize_model(model_of(tiny()), bits=8, group_size=16, autotune_candidates=1)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.autotune_candidates == 1 for m in layers)
+    assert all(m.autotune_candidates is None
+               for m in quantize_model(model_of(tiny()), bits=8, group_size=16).modules() if isinstance(m, QuantLinear))
+    with pytest.raises(ValueError, match="autotune_candidates"):
+        quantize_model(model_of(tiny()), bits=8, group_size=16, autotune_candidates=0)
+

@@ -145,8 +145,12 @@ class QuantLinear(nn.Module):
     activation-aware scaling, multiplies the input first (it holds ``1/t``; the stored weight is
     ``W·t``). On a CUDA GPU the product runs in the Triton dequantise-matmul kernel, which never
     writes the float weight to memory; elsewhere the weight is dequantised with PyTorch and
-    multiplied (the same numbers, for checking and for the CPU).
+    multiplied (the same numbers, for checking and for the CPU). ``autotune_candidates``: how many
+    of the kernel's block-size candidates its autotuner tries (None: all; see
+    :func:`lmfs.kernels.dequant_matmul.dequant_matmul`); every candidate is a compilation.
     """
+
+    autotune_candidates: int | None = None
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None,
                  input_scale: torch.Tensor | None = None):
@@ -187,7 +191,7 @@ class QuantLinear(nn.Module):
         if x.is_cuda:
             from lmfs.kernels.dequant_matmul import dequant_matmul  # imports Triton: only where it compiles
 
-            y = dequant_matmul(x2, self.qweight)
+            y = dequant_matmul(x2, self.qweight, self.autotune_candidates)
         else:
             y = x2 @ dequantize_weight(self.qweight, x.dtype).T
         y = y.reshape(*x.shape[:-1], self.out_features)
@@ -278,18 +282,22 @@ def awq_scale(linear: nn.Module, x: torch.Tensor, bits: int, group_size: int, sy
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, bits: int = 8, group_size: int = 128, calibration: torch.Tensor | None = None,
-                   symmetric: bool = True, include_head: bool = False, max_rows: int = 2048) -> nn.Module:
+                   symmetric: bool = True, include_head: bool = False, max_rows: int = 2048,
+                   autotune_candidates: int | None = None) -> nn.Module:
     """Replace the model's linear layers by :class:`QuantLinear` ones, in place; returns ``model``.
 
     ``bits`` 8 or 4; ``group_size`` must divide every replaced layer's input width. Which layers:
     :func:`quantizable_linears`. With ``calibration`` token ids (B, T), every layer's inputs are
     recorded in one full-precision forward and its weight is quantised with activation-aware
     scaling (:func:`awq_scale`); without, by plain round-to-nearest. The chosen ``α`` of each
-    layer is kept in ``model.awq_alphas`` (name -> α).
+    layer is kept in ``model.awq_alphas`` (name -> α). ``autotune_candidates``: set on every
+    :class:`QuantLinear` (how many block sizes the GPU kernel's autotuner compiles and tries).
     """
     if include_head and getattr(model, "lm_head", False) is None:
         raise ValueError("quantize_model: include_head=True, but this model's head is tied to the token embedding "
                          "(tie_embeddings=True), which stays in full precision; build it untied to quantise the head")
+    from lmfs.kernels._triton import n_candidates   # the same check as the kernel's, before any work
+    n_candidates("quantize_model", autotune_candidates)
     layers = quantizable_linears(model, include_head)
     if not layers:
         raise ValueError(f"quantize_model: {type(model).__name__} has no linear layers to quantise")
@@ -305,6 +313,7 @@ def quantize_model(model: nn.Module, bits: int = 8, group_size: int = 128, calib
         if name in inputs:
             scale, alphas[name], _ = awq_scale(layer, inputs[name], bits, group_size, symmetric)
         quant = QuantLinear.from_linear(layer, bits, group_size, symmetric, scale).to(layer.weight.device)
+        quant.autotune_candidates = autotune_candidates
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, quant)
     if calibration is not None:
