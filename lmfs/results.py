@@ -116,6 +116,16 @@ def performance_rows() -> list[str]:
     rows.append(_row("inference", inference, "HBM roofline; HF `generate` (best cache); HF static batching",
                      "decode ≥ 0.7 roofline and ≥ 2× HF; trace ≥ 10× HF; paged KV ≤ 1.1×; speculative ≥ 1.8×",
                      inference and "; ".join(f"{name} {value:.2f}" for name, value in inference["ratios"].items())))
+    paged = load_result("paged-attention", quiet=True)
+    if paged:
+        largest = max(paged["rows"], key=lambda r: (r["batch"] * r["context"], r["of_copy"]))
+        text = (f"{largest['of_copy']:.0%} of copy bandwidth at batch {largest['batch']}, context "
+                f"{largest['context']} ({largest['layout']}), {largest['triton_us'] / largest['sdpa_us']:.2f}× "
+                f"SDPA's time on the same keys laid out contiguously; batch 1 (GQA), contexts "
+                + ", ".join(f"{r['context']}: {r['triton_us']:.1f} µs" for r in paged["rows"]
+                            if r["batch"] == 1 and "GQA" in r["layout"]))
+    rows.append(_row("paged-attention", paged, "copy bandwidth; SDPA on contiguous keys", "report (used by decode)",
+                     paged and text))
     sweep = load_result("sweep", quiet=True)
     rows.append(_row("sweep", sweep, "the same runs one after another", "grid's time ≤ 0.5× sequential",
                      sweep and f"**{sweep['ratio']:.2f}×**: {sweep['runs']} runs ({sweep['steps']:,} steps) in "

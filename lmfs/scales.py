@@ -597,10 +597,10 @@ CONFIGS: dict[str, dict[str, dict]] = {
             grpo=dict(group_size=8, prompts_per_step=64, max_new_tokens=32, lr=1e-4, micro_batch_size=128,
                       epochs_per_batch=2, kl_coef=0.02, clip=0.2),
             steps=150,
-            # the hacking runs: 3-digit problems (the SFT model is mostly wrong, so hedging pays), a
-            # higher learning rate and temperature, no KL leash; 32 x 8 rollouts per step
-            hack=dict(prompts_per_step=32, max_new_tokens=48, lr=3e-4, temperature=1.2, kl_coef=0.0,
-                      epochs_per_batch=1),
+            # the hacking runs: 3-digit problems (the SFT model is mostly wrong), no KL leash, one
+            # epoch, 32 x 8 rollouts per step. A higher learning rate (3e-4) and temperature (1.2)
+            # wrecked both runs on the H200: the policies wrote strings of numbers, right in neither
+            hack=dict(prompts_per_step=32, max_new_tokens=48, kl_coef=0.0, epochs_per_batch=1),
             hack_steps=100,
             eval_samples=8, k=(1, 8),
         ),

@@ -138,7 +138,8 @@ def run(batches=None, contexts=None, sweep: bool = False) -> dict:
             print(f"{name:12} B={B:<4} ctx={r['context']:<5} splits={r['splits']:<2} tile={tuple(r['config'])!s:13} "
                   f"{r['triton_us']:8.1f} us {r['gb_s']:7.0f} GB/s {r['of_copy']:6.1%} of copy | reference "
                   f"{r['reference_us']:8.1f} us | sdpa {sdpa} us | max|Δ| {r['max_err']:.1e}{best}", flush=True)
-    return dict(device=str(device), dtype=str(dtype), copy_bandwidth=copy_bw, rows=rows)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(device=name, dtype=str(dtype), copy_bandwidth=copy_bw, rows=rows)
 
 
 def main(argv=None) -> dict:
