@@ -292,7 +292,11 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
         result["paged_kv"] = paged_memory(llm.stats)  # the statistics of the last generate call
         print(f"  paged KV in use / cached bytes: {result['paged_kv']['kv_in_use_over_cached']:.3f} "
               f"({result['paged_kv']['preemptions']} preemptions)", flush=True)
-        return {"seconds": seconds, "tokens_per_s": useful / seconds, **engine_flags(llm.stats)}
+        flags = engine_flags(llm.stats)
+        print(f"  engine: {flags['prefill_steps']} prefill steps {flags['prefill_seconds']:.2f} s, "
+              f"{flags['decode_steps']} decode steps {flags['decode_seconds']:.2f} s "
+              f"(mean batch {flags['mean_decode_batch']:.0f})", flush=True)
+        return {"seconds": seconds, "tokens_per_s": useful / seconds, **flags}
 
     _peer(rows, "lmfs engine", lmfs_engine)
     _free(device)
@@ -348,6 +352,9 @@ def engine_flags(stats: dict) -> dict:
     out["overlapped_steps"] = f"{stats['overlapped_steps']}/{stats['decode_steps']}"
     if stats["decode_device_seconds"] is not None and stats["decode_seconds"] > 0:
         out["decode_device_over_wall"] = stats["decode_device_seconds"] / stats["decode_seconds"]
+    # where the wall time went: prefill steps (host work included) against decode steps
+    out.update({k: stats[k] for k in ("prefill_seconds", "prefill_steps", "decode_seconds", "decode_steps")})
+    out["mean_decode_batch"] = stats["decode_tokens"] / max(stats["decode_steps"], 1)
     return out
 
 
