@@ -102,8 +102,9 @@ def test_bf16_rollouts_give_the_log_probs_of_the_bf16_update():
 def test_fused_update_keeps_parameters_and_trains_as_the_plain_modules():
     """fused_update swaps the policy's attention and MLP classes for lmfs.kernels.fused's (same
     parameters, same state dict keys) and trains to the same weights as the plain modules; it
-    composes with the engine's fused decode forward, which re-points q/k/v and gate/up into merged
-    buffers (Triton's interpreter here)."""
+    composes with the engine's fused decode forward (Triton's interpreter here), which under bf16
+    autocast holds bf16 copies of the float32 projection weights: every rollout after an optimizer
+    step copies them again, and the engine samples what a fresh one on the updated policy samples."""
     from lmfs.kernels.fused import FusedAttention, FusedGatedMLP
 
     runs = {}
@@ -121,17 +122,26 @@ def test_fused_update_keeps_parameters_and_trains_as_the_plain_modules():
     for name, a in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][name], a, atol=1e-5, rtol=0, msg=name)
     pytest.importorskip("lmfs.kernels.decode")
-    from lmfs.inference import LLM
+    from lmfs.inference import LLM, SamplingParams
     model, tok = tiny()
     tr = trainer(model, tok, lr=1e-2, autocast="bf16")
-    tr.llm = LLM(model, tok, fused_decode=True, autocast=torch.bfloat16, progress=False)   # merges q/k/v, gate/up
+    where = [p.data_ptr() for p in model.parameters()]
+    tr.llm = LLM(model, tok, fused_decode=True, autocast=torch.bfloat16, progress=False)   # bf16 copies
+    assert tr.llm._fused.dtype == torch.bfloat16 and [p.data_ptr() for p in model.parameters()] == where
+    copies, per_step = tr.llm._fused.weight_copies, 7 * model.config.n_layers   # q, k, v, o, gate, up, down
     tr.train(2)
     assert tr.llm.stats["fused_decode"] and all(math.isfinite(x) for x in tr.history.loss)
     rollout = tr.rollout(tr.sample_problems(5))
+    # the first rollout found the weights as built; the second and this one each took in one update
+    assert tr.llm._fused.weight_copies == copies + 2 * per_step
     batches = tr.micro_batches(rollout)
     for (rows, _, mask), logp in zip(batches, tr.logprobs_of(model, batches)):
         for i, row in enumerate(rows):
             assert (logp[i][mask[i]] - torch.tensor(rollout.sampler_logprobs[row])).abs().max() < 1e-2
+    prompts, params = tr.prompts[:3], SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=True)
+    fresh = LLM(model, tok, fused_decode=True, autocast=torch.bfloat16, progress=False).generate(prompts, params)
+    assert ([(o.token_ids, o.logprobs) for o in tr.llm.generate(prompts, params)]
+            == [(o.token_ids, o.logprobs) for o in fresh])
 
 
 def test_micro_batches_sort_by_length_and_cover_every_sequence_once():

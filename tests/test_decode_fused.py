@@ -159,6 +159,16 @@ def test_supports_plain_llama_and_refuses_quantised_or_other_models():
 # Parameters: identity, state dict, in-place updates
 
 
+def sgd_step(model) -> None:
+    """One optimizer step on a random loss: every parameter changes in place."""
+    model.requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    logits, _ = model(torch.randint(0, 64, (1, 6), device=DEVICE))
+    logits.square().mean().backward()
+    opt.step()
+    model.requires_grad_(False)
+
+
 def test_merging_keeps_parameters_and_sees_in_place_updates():
     model = build()
     before = {name: p for name, p in model.named_parameters()}
@@ -170,19 +180,14 @@ def test_merging_keeps_parameters_and_sees_in_place_updates():
     assert new_state.keys() == state.keys()
     assert all(new_state[k].shape == state[k].shape and torch.equal(new_state[k], state[k]) for k in state)
     attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
-    qkv, gate_up = fused._layers[0]
+    qkv, _, gate_up, _ = fused._layers[0]   # (q/k/v, o, gate/up, down)
     assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0]:].data_ptr()
     assert mlp.up.weight.data_ptr() == gate_up[mlp.gate.weight.shape[0]:].data_ptr()
     # Preparing again (a second engine on the same model) copies nothing.
     assert FusedDecode(model)._layers[0][0].data_ptr() == qkv.data_ptr()
 
     # An optimizer step changes the parameters in place; the next fused call must use the new values.
-    model.requires_grad_(True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    logits, _ = model(torch.randint(0, 64, (1, 6), device=DEVICE))
-    logits.square().mean().backward()
-    opt.step()
-    model.requires_grad_(False)
+    sgd_step(model)
     assert not torch.equal(model.blocks[0].attn.v_proj.weight, state["blocks.0.attn.v_proj.weight"])
     assert_same_step(model, [4, 7], fused=fused)
     # load_state_dict copies into the merged buffers too.
@@ -208,6 +213,116 @@ def test_merge_rows_views_and_errors():
     b.data.add_(1)
     assert torch.equal(merged[3:], values[3:] + 1)
     assert merge_rows([a, b]).data_ptr() == merged.data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------
+# dtype=bf16: 16-bit copies of float32 weights, for calls under autocast
+
+
+def bf16_step(model, fused, lengths=(4, 7, 10)):
+    """``fused``'s logits and bf16 cache for one decode batch under bf16 autocast."""
+    cache, batch = decode_setup(model, list(lengths))
+    cache.k, cache.v = [k.bfloat16() for k in cache.k], [v.bfloat16() for v in cache.v]
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, cache_enabled=False):
+        logits = fused(model, cache, batch, paged_attention_reference)
+    return logits, cache
+
+
+def assert_equal_steps(a, b):
+    assert a[0].dtype == b[0].dtype == torch.bfloat16
+    assert torch.equal(a[0], b[0])
+    assert all(torch.equal(x, y) for x, y in zip(a[1].k + a[1].v, b[1].k + b[1].v))
+
+
+def test_bf16_copies_leave_the_parameters_and_compute_as_autocasts_casts():
+    """FusedDecode(dtype=bf16) on float32 weights: the parameters keep their storage and state dict,
+    and the step under autocast equals, bit for bit, the step that casts the float32 weights (copying
+    rounds as autocast's cast does)."""
+    model = build()
+    where = {name: (p.data_ptr(), p.dtype) for name, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fused = FusedDecode(model, dtype=torch.bfloat16)
+    assert {name: (p.data_ptr(), p.dtype) for name, p in model.named_parameters()} == where
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(w.dtype == torch.bfloat16 for layer in fused._layers for w in layer)
+    assert fused.weight_copies == 7 * model.config.n_layers   # q, k, v, o, gate, up, down
+    cast = copy.deepcopy(model)
+    assert_equal_steps(bf16_step(model, fused), bf16_step(cast, FusedDecode(cast)))
+    with pytest.raises(ValueError, match="torch.autocast"):   # bf16 weights, fp32 activations: refused
+        fused(model, *decode_setup(model, [3]), paged_attention_reference)
+    with pytest.raises(ValueError, match="gemv"):
+        FusedDecode(model, gemv=True, dtype=torch.bfloat16)
+
+
+def test_bf16_copies_follow_in_place_updates_and_copy_only_what_changed():
+    """An in-place update (an optimizer step, load_state_dict, one parameter) is copied before the
+    next step, exactly the parameters it changed; without one nothing is copied. The step then equals
+    a fresh FusedDecode's on the updated model; new tensors (model.half().float()) rebuild the copies."""
+    model = build()
+    n = 7 * model.config.n_layers
+    fused = FusedDecode(model, dtype=torch.bfloat16)
+    first = bf16_step(model, fused)
+    assert fused.weight_copies == n and fused.refresh(model) == 0
+    assert_equal_steps(bf16_step(model, fused), first)
+    assert fused.weight_copies == n   # nothing changed, nothing copied
+
+    sgd_step(model)
+    updated = bf16_step(model, fused)
+    assert fused.weight_copies == 2 * n
+    assert not torch.equal(updated[0], first[0])
+    assert_equal_steps(updated, bf16_step(model, FusedDecode(model, dtype=torch.bfloat16)))
+
+    with torch.no_grad():
+        model.blocks[1].attn.v_proj.weight.mul_(-1)
+    assert fused.refresh(model) == 1 and fused.weight_copies == 2 * n + 1
+    assert_equal_steps(bf16_step(model, fused), bf16_step(model, FusedDecode(model, dtype=torch.bfloat16)))
+
+    model.half().float()   # every parameter gets new storage: new copies, from the new tensors
+    assert fused._stale(model)
+    assert_equal_steps(bf16_step(model, fused), bf16_step(model, FusedDecode(model, dtype=torch.bfloat16)))
+    assert not fused._stale(model)
+
+
+@pytest.mark.gpu
+def test_bf16_copies_in_a_cuda_graph_follow_refresh_gpu():
+    """Captured in a CUDA graph, the step reads the bf16 copies: the capture itself copies nothing, an
+    in-place update reaches a replay through refresh() (outside the graph) and not without it."""
+    model = build(device="cuda")
+    fused = FusedDecode(model, dtype=torch.bfloat16)
+    cache, batch = decode_setup(model, [4, 7, 10])
+    cache.k, cache.v = [k.bfloat16() for k in cache.k], [v.bfloat16() for v in cache.v]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+
+    def step():
+        with autocast:
+            return fused(model, cache, batch, paged_decode_attention)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()   # warm-up: Triton compiles
+    torch.cuda.current_stream().wait_stream(stream)
+    copies = fused.weight_copies
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    assert fused.weight_copies == copies
+    graph.replay()
+    before = static.clone()
+    with torch.no_grad():   # the projections' weights: the ones held as copies (norms and head are read as they are)
+        for block in model.blocks:
+            for group in FusedDecode._weight_groups(block):
+                for p in group:
+                    p.add_(torch.randn_like(p) * 0.5)
+    graph.replay()
+    torch.testing.assert_close(static, before, atol=0, rtol=0)   # the copies are what the graph reads
+    assert fused.refresh(model) == 7 * model.config.n_layers
+    graph.replay()
+    with autocast:
+        fresh = FusedDecode(model, dtype=torch.bfloat16)(model, cache, batch, paged_decode_attention)
+    torch.cuda.synchronize()
+    assert not torch.equal(static, before)
+    torch.testing.assert_close(static, fresh, atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -124,6 +124,59 @@ def test_paged_forward_equals_contiguous(name):
 # ---------------------------------------------------------------------------------------------
 # Sampling
 
+def test_masked_attention_equals_softmax_and_prefers_the_memory_efficient_kernel_on_cuda():
+    """_attend (prefill's masked attention) equals softmax(q kᵀ/√d + mask) v written out, GQA included;
+    on CUDA it lets SDPA use only the memory-efficient kernel, then the written-out one (cuDNN plans
+    every new prefill length anew); elsewhere SDPA chooses as before."""
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
+
+    from lmfs.inference.runner import _attend, masked_sdpa_preference
+
+    attn = tiny(n_kv_heads=2).blocks[0].attn
+    g = torch.Generator().manual_seed(0)
+    T, S, hd = 5, 9, BASE["d_model"] // BASE["n_heads"]
+    q = torch.randn(1, attn.n_heads, T, hd, generator=g)
+    k, v = (torch.randn(1, attn.n_kv_heads, S, hd, generator=g) for _ in range(2))
+    allowed = torch.rand(T, S, generator=g) < 0.5
+    allowed[:, 0] = True   # every query reads at least one key
+    kk, vv = (t.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1) for t in (k, v))
+    scores = (q @ kk.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~allowed, float("-inf"))
+    expected = (scores.softmax(-1) @ vv).transpose(1, 2).reshape(1, T, -1)
+    torch.testing.assert_close(_attend(attn, q, k, v, allowed), expected, atol=1e-5, rtol=1e-5)
+
+    before = _cur_sdpa_kernel_backends(with_priority=True)
+    assert type(masked_sdpa_preference(torch.device("cpu"))).__name__ == "nullcontext"
+    enabled = (torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled,
+               torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled)
+    was = [f() for f in enabled]
+    with masked_sdpa_preference(torch.device("cuda")):
+        assert _cur_sdpa_kernel_backends(with_priority=True)[0] == SDPBackend.EFFICIENT_ATTENTION
+        assert [f() for f in enabled] == [True, True, False, False]   # no cuDNN, no flash (it takes no mask)
+    assert _cur_sdpa_kernel_backends(with_priority=True) == before and [f() for f in enabled] == was
+
+
+@pytest.mark.gpu
+def test_prefill_attention_runs_the_memory_efficient_kernel_gpu():
+    """On CUDA under bf16 autocast, a packed prefill's masked attention runs the memory-efficient
+    kernel, not cuDNN's (whose plan building costs ~12 ms of host time per new length), and its
+    last tokens' logits are the model's own forward's under the same autocast."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny(n_kv_heads=2).cuda()
+    prompts = random_prompts([5, 11, 7])
+    batch = gathered_batch([(p, 0, [1 + 4 * i + j for j in range(4)]) for i, p in enumerate(prompts)], 4, None,
+                           "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), autocast:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = paged_forward(model, PagedKVCache(model.config, 16, 4, device="cuda", dtype=torch.bfloat16), batch)
+        own = torch.cat([model(torch.tensor([p], device="cuda"))[0][:, -1] for p in prompts])
+    names = {e.name for e in prof.events()}
+    assert any("efficient_attention" in n for n in names), sorted(n for n in names if "attention" in n)
+    assert not any("cudnn_attention" in n for n in names)
+    torch.testing.assert_close(got.float(), own.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_sampling_params_validation():
     for bad, field in [(dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
                        (dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(min_p=2), "min_p"),
@@ -481,6 +534,37 @@ def test_fused_decode_option():
     assert FusedDecode.supports(mla) is not None
     with pytest.raises(ValueError, match="fused_decode"):
         LLM(mla, fused_decode=True)
+
+
+def test_fused_decode_under_autocast_copies_the_weights_only_after_updates():
+    """LLM(autocast=bf16, fused_decode=True) on float32 weights: the fused forward holds bf16 copies
+    of the projection weights (the parameters keep their storage), each generate call first copies
+    the parameters updated in place since the call before and nothing otherwise, and its outputs
+    equal a fresh engine's on the updated model."""
+    pytest.importorskip("lmfs.kernels.decode")
+    model = tiny(n_kv_heads=2)
+    where = [p.data_ptr() for p in model.parameters()]
+    prompts = random_prompts([3, 7, 5])
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=True)
+    options = dict(block_size=4, autocast=torch.bfloat16, fused_decode=True)
+    llm = LLM(model, **options)
+    assert llm._fused.dtype == torch.bfloat16 and [p.data_ptr() for p in model.parameters()] == where
+    assert LLM(model, fused_decode=True)._fused.dtype is None   # no autocast: nothing to copy
+    per_update = 7 * model.config.n_layers   # q, k, v, o, gate, up, down of each layer
+    first = llm.generate(prompts, params)
+    assert llm.stats["fused_decode"] and llm._fused.weight_copies == per_update   # made once, when built
+    assert _same(llm.generate(prompts, params), first) and llm._fused.weight_copies == per_update
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    updated = llm.generate(prompts, params)
+    assert llm._fused.weight_copies == 2 * per_update
+    assert not _same(updated, first)
+    assert _same(updated, LLM(model, **options).generate(prompts, params))
+
+
+def _same(a, b) -> bool:
+    return [(o.token_ids, o.logprobs) for o in a] == [(o.token_ids, o.logprobs) for o in b]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -270,12 +270,13 @@ class GRPOTrainer:
                                weight_decay=config.weight_decay)
         self.stop_ids = tuple(sorted(set(getattr(tokenizer, "special_ids", {}).values())))
         # The engine holds `policy` itself, not a copy: its forward passes read the parameters' own
-        # storage, so no weights are copied between update and rollout. On a GPU the decode step is
-        # captured in CUDA graphs, whose replays read from the addresses seen at capture; the
-        # updates therefore write *into* the same tensors: lmfs's AdamW (p.addcdiv_, p.mul_) and
-        # load_state_dict (copy_) do, and the graphs stay valid. (Replacing a parameter tensor
-        # would make the engine notice the new addresses and capture its graphs again.) The engine
-        # computes under the update's autocast: each replay casts the float32 weights as they are.
+        # storage. On a GPU the decode step is captured in CUDA graphs, whose replays read from the
+        # addresses seen at capture; the updates therefore write *into* the same tensors: lmfs's
+        # AdamW (p.addcdiv_, p.mul_) and load_state_dict (copy_) do, and the graphs stay valid.
+        # (Replacing a parameter tensor would make the engine notice the new addresses and capture
+        # its graphs again.) The engine computes under the update's autocast; its fused decode
+        # forward keeps 16-bit copies of the projection weights, which the engine brings up to date
+        # from the parameters updated in place at the start of each rollout (lmfs.kernels.decode).
         longest = max(len(p) for p in self.prompts)
         per_seq = min(self.context_length, longest + config.max_new_tokens) + 16
         self.llm = LLM(policy, tokenizer, max_batch_size=config.max_batch_size,

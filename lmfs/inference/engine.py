@@ -45,11 +45,16 @@
   are (float32 master weights of a model being trained): each matmul reads its weight through
   an autocast cast. Those casts run inside the step, so a CUDA graph captures them and each
   replay casts the weights as they are then (an optimizer step in place is seen); the cast cache
-  is off, so no cast outlives its forward. The fused forward's merged q/k/v and gate/up weights
-  are cast the same way, by the autocast of its matmuls; its Triton kernels read the 16-bit
-  activations and write the 16-bit cache. Why: a float32 weight makes every projection of the
-  decode step a float32 matmul, several times slower than a bfloat16 one on a GPU, and a trainer
-  whose update computes in bfloat16 wants its rollouts' log-probs from the same numerics.
+  is off, so no cast outlives its forward. The fused forward instead holds its projection
+  weights in the autocast dtype (``FusedDecode(dtype=...)``): copies that each ``generate`` call
+  brings up to date before its first step, copying only the parameters updated in place since the
+  call before (their version counters tell), so a step casts no projection weight (only the
+  small head's), and the copies round as the casts would. (A replayed CUDA graph reads the copies
+  as they are, so with graphs an update made while a ``stream`` is being consumed reaches the next
+  call, not the rest of that one.) Its Triton kernels read the 16-bit activations and write the
+  16-bit cache. Why: a float32 weight makes every projection of the decode step a float32 matmul,
+  several times slower than a bfloat16 one on a GPU, and a trainer whose update computes in
+  bfloat16 wants its rollouts' log-probs from the same numerics.
 """
 
 from __future__ import annotations
@@ -308,7 +313,13 @@ class LLM:
                 raise ValueError(f"fused_decode=True: the fused decode forward cannot run this model ({reason}); "
                                  "use fused_decode='auto' or False")
             return None
-        return FusedDecode(self.model)
+        return self._fused_forward(FusedDecode)
+
+    def _fused_forward(self, cls):
+        """``cls`` (:class:`~lmfs.kernels.decode.FusedDecode`) for the model as it is now, holding its
+        weights in the autocast dtype where that differs from theirs (module docstring, "Autocast")."""
+        dtype = next(self.model.parameters()).dtype
+        return cls(self.model, dtype=self.autocast if self.autocast not in (None, dtype) else None)
 
     def _autocast(self):
         """The context every forward runs in: autocast to ``self.autocast`` (its cast cache off, so that
@@ -733,14 +744,17 @@ class LLM:
     def _check_weights(self) -> None:
         """Drop the CUDA graphs if the weights moved (new tensors or dtype) since they were captured:
         a graph holds the addresses it read. In-place updates keep the addresses, and the graphs.
-        The fused forward's merged weights are rebuilt from the new tensors."""
+        The fused forward's merged weights are rebuilt from the new tensors; its 16-bit copies (under
+        autocast) take in the in-place updates, here, before any step: a replay reads the copies."""
         where = self._weight_addresses()
         if where != self._weights:
             self._graphs.clear()
             if self._fused is not None:
-                self._fused = self._decode_forward = type(self._fused)(self.model)
-                where = self._weight_addresses()   # the parameters now point into the merged buffers
+                self._fused = self._decode_forward = self._fused_forward(type(self._fused))
+                where = self._weight_addresses()   # the parameters may now point into the merged buffers
             self._weights = where
+        if self._fused is not None:
+            self._fused.refresh(self.model)
 
 
 @dataclass

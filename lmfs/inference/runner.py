@@ -17,6 +17,7 @@ behaves exactly as in the uncached forward.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -95,6 +96,24 @@ def _keys_values(attn, kv_in: torch.Tensor, positions: torch.Tensor,
     return _rotate(attn, k, positions, tables), v
 
 
+# The SDPA kernels allowed for the masked attention of :func:`_attend` on CUDA. SDPA's own first
+# choice there, cuDNN, builds an execution plan for every new shape (about 12 ms of host time for a
+# kernel of 0.2 ms), and a packed prefill's length changes from call to call; the memory-efficient
+# kernel takes a float mask at any length without a plan. Flash attention takes no mask, so it is
+# left out too; the written-out (math) kernel stays as the fallback. Asking for the efficient
+# kernel first with every backend still enabled was not enough: cuDNN still ran.
+MASKED_SDPA_BACKENDS = ("EFFICIENT_ATTENTION", "MATH")
+
+
+def masked_sdpa_preference(device: torch.device):
+    """The context :func:`_attend` calls SDPA in: on CUDA only :data:`MASKED_SDPA_BACKENDS` enabled,
+    in that order; nothing elsewhere (SDPA's own choice)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, name) for name in MASKED_SDPA_BACKENDS], set_priority=True)
+
+
 def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Masked attention: ``q`` ``(B, H, T, hd)``, ``k``/``v`` ``(B, KV, S, hd)``, ``allowed`` a bool mask
     broadcasting to ``(B, H, T, S)``. Returns ``(B, T, H·hd)``. Every query row must allow at least
@@ -106,7 +125,8 @@ def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     if attn.softcap is not None:  # SDPA cannot soft-cap: the written-out path, as the model does
         out = attention_reference(q, k, v, mask, attn.softcap)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        with masked_sdpa_preference(q.device):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return rearrange(out, "b h t d -> b t (h d)")
 
 

@@ -28,6 +28,19 @@ and an in-place update of it (an optimizer step, ``load_state_dict``) writes int
 the next step reads. Gate and up are merged the same way. If the parameters are replaced later
 (``model.to(dtype)``, new tensors), the next call notices and merges again.
 
+**16-bit copies for float32 weights under autocast** (``dtype=torch.bfloat16``, what
+:class:`lmfs.inference.LLM` passes for ``autocast=`` on float32 weights, as in RL rollouts).
+Autocast would cast every projection weight at every step: in a small model's step those casts
+take longer than the matmuls. Instead each layer's merged q/k/v, o, merged gate/up and down weights
+are held in ``dtype``, in buffers of their own (the parameters are left alone), and
+:meth:`FusedDecode.refresh` copies into them each parameter that changed since its last copy. A
+change is seen through ``param._version``, which every in-place update of the parameter bumps (an
+optimizer step, ``load_state_dict``), so it costs host-side checks only and nothing when nothing
+changed; an update through ``param.data`` bypasses the counter and is not seen. Each call refreshes
+first, except while a CUDA graph is being captured: whoever replays a captured step refreshes
+before it (the engine, at the start of each ``generate``), and the copy lands in the buffers the
+graph reads. The copy rounds as autocast's cast does, so the results do not change.
+
 **Same numbers as the op-by-op path, up to rounding.** The kernels compute in float32 but round
 where the PyTorch ops round (the residual sum, the normalised row before the gain, each product of
 RoPE), so with 16-bit weights they stay within a unit in the last place of the modules' results.
@@ -260,16 +273,27 @@ class FusedDecode:
     decode batches (one token per sequence): it writes the new keys and values into ``cache`` at
     ``batch.slots`` and returns the logits ``(R, V)`` (rows ``batch.logit_rows``, all if None) in
     the model's dtype. ``gemv``: a Triton GEMV instead of cuBLAS for batches of at most
-    :data:`GEMV_MAX_ROWS` tokens (off by default; see the module docstring).
+    :data:`GEMV_MAX_ROWS` tokens (off by default; see the module docstring). ``dtype``: for calls
+    under ``torch.autocast(dtype=dtype)`` on weights of another dtype, hold the projection weights
+    in ``dtype`` (copies, refreshed from the parameters; the parameters are not re-pointed), so
+    that no step casts them; ``weight_copies`` counts the parameters copied so far.
     """
 
-    def __init__(self, model, gemv: bool = False):
+    def __init__(self, model, gemv: bool = False, dtype: torch.dtype | None = None):
         reason = self.supports(model)
         if reason is not None:
             raise ValueError(f"FusedDecode cannot run this model ({reason}); decode it with "
                              "lmfs.inference.paged_forward")
-        self.gemv = gemv
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if gemv and dtype is not None:
+            raise ValueError("FusedDecode(gemv=True) reads the weights in the model's dtype, which autocast does "
+                             "not reach; use dtype=None with gemv, or gemv=False")
+        self.gemv, self.dtype = gemv, dtype
+        # Per layer (w_qkv, w_o, w_gate_up, w_down), the tensors the matmuls read.
+        self._layers: list[tuple[torch.Tensor, ...]] = []
+        # With ``dtype``: [parameter, its rows of the copy, the parameter's _version when copied].
+        self._copies: list[list] = []
+        self._where: tuple = ()
+        self.weight_copies = 0
         self._prepare(model)
 
     @staticmethod
@@ -315,27 +339,61 @@ class FusedDecode:
         return None
 
     @staticmethod
-    def _merged_weights(block) -> tuple[list, list]:
+    def _weight_groups(block) -> tuple[list, list, list, list]:
+        """The parameters behind each matmul of ``block``: q/k/v (merged), o, gate/up (merged), down."""
         attn, mlp = block.attn, block.mlp
-        return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], [mlp.gate.weight, mlp.up.weight]
+        return ([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], [attn.o_proj.weight],
+                [mlp.gate.weight, mlp.up.weight], [mlp.down.weight])
+
+    def _addresses(self, model) -> tuple:
+        return tuple((p.data_ptr(), p.dtype) for block in model.blocks for group in self._weight_groups(block)
+                     for p in group)
 
     def _prepare(self, model) -> None:
-        """(Re)merge every layer's q/k/v and gate/up weights."""
-        self._layers = [tuple(merge_rows(ws) for ws in self._merged_weights(block)) for block in model.blocks]
+        """(Re)build every layer's matmul weights: without ``dtype`` the q/k/v and gate/up parameters
+        merged in place (:func:`merge_rows`) and o and down as they are; with it, new buffers in
+        ``dtype``, filled from the parameters."""
+        self._layers, self._copies = [], []
+        for block in model.blocks:
+            groups = self._weight_groups(block)
+            if self.dtype is None:
+                self._layers.append(tuple(merge_rows(g) if len(g) > 1 else g[0] for g in groups))
+                continue
+            weights = []
+            for group in groups:
+                buffer = group[0].new_empty(sum(p.shape[0] for p in group), group[0].shape[1], dtype=self.dtype)
+                start = 0
+                for p in group:
+                    self._copies.append([p, buffer[start:start + p.shape[0]], None])
+                    start += p.shape[0]
+                weights.append(buffer)
+            self._layers.append(tuple(weights))
+        self._where = self._addresses(model)
+        self.refresh(model)
 
     def _stale(self, model) -> bool:
-        """Whether some merged parameter no longer lives in its buffer (the model was cast or moved,
-        or a parameter replaced): host-side pointer checks only, no device work."""
-        if len(self._layers) != len(model.blocks):
-            return True
-        for block, merged in zip(model.blocks, self._layers):
-            for params, buffer in zip(self._merged_weights(block), merged):
-                start = buffer.data_ptr()
-                for p in params:
-                    if p.data_ptr() != start or p.dtype != buffer.dtype:
-                        return True
-                    start += p.numel() * p.element_size()
-        return False
+        """Whether some parameter read by the matmuls has moved since :meth:`_prepare` (the model was
+        cast or moved, or a parameter replaced): host-side pointer checks only, no device work."""
+        return len(self._layers) != len(model.blocks) or self._addresses(model) != self._where
+
+    @torch.no_grad()
+    def refresh(self, model) -> int:
+        """Bring the ``dtype`` copies up to date with ``model``'s parameters (rebuilding everything if
+        they moved): copy each parameter whose ``_version`` changed since its last copy into its rows.
+        Returns how many were copied (0 without ``dtype``, and when nothing changed). Not to be
+        called while a CUDA graph is captured (the copy would run at every replay)."""
+        if self._stale(model):
+            self._prepare(model)   # new tensors: new buffers, filled there
+            return len(self._copies)
+        copied = 0
+        for entry in self._copies:
+            p, rows, version = entry
+            if p._version != version:
+                rows.copy_(p)   # the rounding autocast's cast does
+                entry[2] = p._version
+                copied += 1
+        self.weight_copies += copied
+        return copied
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] <= GEMV_MAX_ROWS:
@@ -352,18 +410,22 @@ class FusedDecode:
         if not batch.decode or cache.mla:
             raise ValueError("FusedDecode runs decode batches (one new token per sequence) over a K/V paged "
                              "cache; use lmfs.inference.paged_forward for prefill")
-        if self._stale(model):
-            self._prepare(model)
+        emb = model.tok_emb.weight
+        if self.dtype is not None and not (torch.is_autocast_enabled(emb.device.type)
+                                           and torch.get_autocast_dtype(emb.device.type) == self.dtype):
+            raise ValueError(f"FusedDecode(dtype={self.dtype}) holds its weights in {self.dtype}: call it under "
+                             f"torch.autocast({emb.device.type!r}, dtype={self.dtype}), or build it with dtype=None")
+        if not (emb.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.refresh(model)
         cfg = model.config
         N, d = batch.tokens.shape[0], cfg.d_model
         H, KV, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        emb = model.tok_emb.weight
         x = emb.new_empty(N, d)   # the residual stream
         h = emb.new_empty(N, d)   # its normed copy, the input of each branch
         rope = model.blocks[0].attn.rope
         delta = None
-        for layer, (block, (w_qkv, w_gate_up)) in enumerate(zip(model.blocks, self._layers)):
-            attn, k_cache, v_cache = block.attn, cache.k[layer], cache.v[layer]
+        for layer, (block, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(model.blocks, self._layers)):
+            k_cache, v_cache = cache.k[layer], cache.v[layer]
             if layer == 0:
                 residual_rmsnorm(x, None, block.norms[0], h, ids=batch.tokens, emb=emb)
             else:
@@ -375,9 +437,8 @@ class FusedDecode:
                                            KV=KV, HALF=hd // 2, BLOCK_HALF=triton.next_power_of_2(hd // 2),
                                            ROTATE=rope is not None, num_warps=1)
             out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)   # (N, H, hd)
-            residual_rmsnorm(x, self._linear(out.to(h.dtype).reshape(N, H * hd), attn.o_proj.weight),
-                             block.norms[1], h)
-            delta = self._down(self._linear(h, w_gate_up), block.mlp.down.weight)
+            residual_rmsnorm(x, self._linear(out.to(h.dtype).reshape(N, H * hd), w_o), block.norms[1], h)
+            delta = self._down(self._linear(h, w_gate_up), w_down)
         residual_rmsnorm(x, delta, model.final_norm, h)
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
