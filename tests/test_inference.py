@@ -93,6 +93,35 @@ def test_paged_attention_reference_matches_dense_attention():
             torch.testing.assert_close(out[b], dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_gathered_batch_equals_a_sequence_by_sequence_construction(window):
+    """gathered_batch builds its tensors for the whole batch at once; they must be what listing each
+    sequence's keys and new tokens one by one gives: positions, slots through the block table (a
+    cached prefix skipped as queries but kept as keys), which query may read which key, last rows."""
+    g = torch.Generator().manual_seed(0)
+    block = 4
+    chunks = []
+    for start, n in [(0, 5), (8, 3), (0, 1), (3, 9), (4, 0)]:
+        blocks = torch.randperm(40, generator=g)[:-(-(start + n) // block) + 1].tolist()   # one block spare
+        chunks.append((torch.randint(0, 50, (n,), generator=g).tolist(), start, blocks))
+    got = gathered_batch(chunks, block, window, "cpu")
+    tokens, qpos, slots, key_slots, kpos, qseq, kseq, last = [], [], [], [], [], [], [], []
+    for s, (new, start, table) in enumerate(chunks):
+        for p in range(start + len(new)):
+            slot = table[p // block] * block + p % block
+            key_slots.append(slot), kpos.append(p), kseq.append(s)
+            if p >= start:
+                tokens.append(new[p - start]), qpos.append(p), slots.append(slot), qseq.append(s)
+        last.append(len(tokens) - 1)
+    allowed = [[qs == ks and kp <= qp and (window is None or qp - kp < window) for ks, kp in zip(kseq, kpos)]
+               for qs, qp in zip(qseq, qpos)]
+    for name, want in [("tokens", tokens), ("positions", qpos), ("slots", slots), ("key_slots", key_slots),
+                       ("key_positions", kpos), ("allowed", allowed), ("logit_rows", last)]:
+        assert getattr(got, name).tolist() == want, name
+    with pytest.raises(ValueError, match="block table"):
+        gathered_batch([([1, 2, 3], 2, [0])], block, None, "cpu")
+
+
 @pytest.mark.parametrize("name", ["gqa", "mla", "window", "moe"])
 def test_paged_forward_equals_contiguous(name):
     """Prefill two prompts packed (one after a shared, already cached prefix), then decode one

@@ -508,9 +508,9 @@ class LLM:
             logits = paged_forward(self.model, self.cache, batch, self.decode_attention)
         next_ids, logprobs = self._sample(admitted, logits.float())
         rows = torch.tensor([r.row for r in admitted], device=self.device)
-        table = torch.zeros(len(admitted), self.max_blocks, dtype=torch.int32)
-        for i, r in enumerate(admitted):
-            table[i, :len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+        table = torch.tensor([list(r.blocks) + [0] * (self.max_blocks - len(r.blocks)) for r in admitted],
+                             dtype=torch.int32)
+        for r in admitted:
             r.device_len = r.length + 1        # the token sampled here
         self.tables[rows] = table.to(self.device)
         self.positions[rows] = torch.tensor([len(r.tokens) for r in admitted], device=self.device)
