@@ -508,7 +508,7 @@ class LLM:
             logits = paged_forward(self.model, self.cache, batch, self.decode_attention)
         next_ids, logprobs = self._sample(admitted, logits.float())
         rows = torch.tensor([r.row for r in admitted], device=self.device)
-        table = torch.tensor([list(r.blocks) + [0] * (self.max_blocks - len(r.blocks)) for r in admitted],
+        table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in admitted],
                              dtype=torch.int32)
         for r in admitted:
             r.device_len = r.length + 1        # the token sampled here

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from einops import rearrange
 
 from lmfs.nn.attention import attention_reference
@@ -102,7 +103,7 @@ def _keys_values(attn, kv_in: torch.Tensor, positions: torch.Tensor,
 # kernel takes a float mask at any length without a plan. Flash attention takes no mask, so it is
 # left out too; the written-out (math) kernel stays as the fallback. Asking for the efficient
 # kernel first with every backend still enabled was not enough: cuDNN still ran.
-MASKED_SDPA_BACKENDS = ("EFFICIENT_ATTENTION", "MATH")
+MASKED_SDPA_BACKENDS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def masked_sdpa_preference(device: torch.device):
@@ -110,8 +111,7 @@ def masked_sdpa_preference(device: torch.device):
     in that order; nothing elsewhere (SDPA's own choice)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([getattr(SDPBackend, name) for name in MASKED_SDPA_BACKENDS], set_priority=True)
+    return sdpa_kernel(list(MASKED_SDPA_BACKENDS), set_priority=True)
 
 
 def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

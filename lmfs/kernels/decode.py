@@ -374,7 +374,7 @@ class FusedDecode:
     def _stale(self, model) -> bool:
         """Whether some parameter read by the matmuls has moved since :meth:`_prepare` (the model was
         cast or moved, or a parameter replaced): host-side pointer checks only, no device work."""
-        return len(self._layers) != len(model.blocks) or self._addresses(model) != self._where
+        return self._addresses(model) != self._where
 
     @torch.no_grad()
     def refresh(self, model) -> int:
