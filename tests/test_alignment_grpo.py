@@ -347,6 +347,24 @@ def test_benchmark_runs_tiny(tmp_path, capsys):
     assert "samples/s" in capsys.readouterr().out
 
 
+def test_forward_timer_times_every_prefill_and_decode_step():
+    """The benchmark's ForwardTimer sees each prefill forward (the engine's _forward, fused or not)
+    and each decode step, counts the prompt tokens as real rows, and leaves the engine as it was."""
+    from lmfs.benchmarks.grpo import ForwardTimer
+    from lmfs.inference import LLM, SamplingParams
+
+    model, tok = tiny()
+    llm = LLM(model, tok, progress=False)
+    forward = llm._forward
+    timer = ForwardTimer(llm)
+    llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))
+    s = llm.stats
+    assert len(timer.events) == s["prefill_steps"] + s["decode_steps"] and s["prefill_steps"] >= 1
+    assert timer.real_rows >= s["prefill_tokens"] + s["decode_tokens"] and timer.useful_seconds() > 0
+    timer.close()
+    assert llm._forward is forward and "_decode_step" not in vars(llm)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_rollouts_follow_in_place_updates():
     """On a GPU the engine replays CUDA graphs captured over the parameters' storage: after updates

@@ -1,4 +1,4 @@
-"""lmfs.kernels.decode.FusedDecode against lmfs.inference.paged_forward on decode batches.
+"""lmfs.kernels.decode.FusedDecode against lmfs.inference.paged_forward on decode and prefill batches.
 
 On the CPU the Triton kernels run in the interpreter: a small model (d_model 64, 2 layers, 4 query
 heads), block size 4, a few sequences whose new token sits at the start, middle and end of a block.
@@ -110,12 +110,37 @@ def test_gemv_path_matches(dtype):
         gemv(x.new_zeros(GEMV_MAX_ROWS + 1, 40), w)
 
 
-def test_fused_decode_refuses_prefill_batches():
-    model = build()
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_fused_prefill_matches_paged_forward(n_kv_heads):
+    """A gathered (prefill) batch: three prompts packed in one row, one after a cached prefix of two
+    blocks. Same logits and cache contents as paged_forward's op-by-op prefill."""
     from lmfs.inference import gathered_batch
-    cache, _ = decode_setup(model, [3])
+
+    model = build(n_kv_heads=n_kv_heads)
+    cache, _ = decode_setup(model, [16, 16, 16])   # random contents: the prefix's keys are read from there
+    gen = torch.Generator().manual_seed(3)
+    new = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 9, 3)]
+    tables = [[1, 2], [3, 4, 5, 6], [7, 8, 9]]   # the third sequence: 8 cached tokens, 3 new
+    chunks = [(new[0], 0, tables[0]), (new[1], 0, tables[1]), (new[2], 8, tables[2])]
+    batch = gathered_batch(chunks, BLOCK_SIZE, None, DEVICE)
+    cache2 = copy.deepcopy(cache)
+    expected = paged_forward(model, cache, batch)
+    got = FusedDecode(model)(model, cache2, batch, paged_attention_reference)
+    assert got.shape == expected.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    for layer in range(model.config.n_layers):
+        torch.testing.assert_close(cache2.k[layer], cache.k[layer], **TOLERANCE[torch.float32])
+        torch.testing.assert_close(cache2.v[layer], cache.v[layer], **TOLERANCE[torch.float32])
+
+
+def test_fused_forward_refuses_an_mla_cache():
+    from lmfs.inference import gathered_batch
+
+    model = build()
+    mla = build(attention="mla", kv_latent_dim=16)
+    cache = PagedKVCache(mla.config, 4, BLOCK_SIZE, device=DEVICE)
     batch = gathered_batch([([1, 2, 3], 0, [1])], BLOCK_SIZE, None, DEVICE)
-    with pytest.raises(ValueError, match="decode batches"):
+    with pytest.raises(ValueError, match="MLA"):
         FusedDecode(model)(model, cache, batch, paged_attention_reference)
 
 

@@ -118,6 +118,11 @@ def test_gathered_batch_equals_a_sequence_by_sequence_construction(window):
     for name, want in [("tokens", tokens), ("positions", qpos), ("slots", slots), ("key_slots", key_slots),
                        ("key_positions", kpos), ("allowed", allowed), ("logit_rows", last)]:
         assert getattr(got, name).tolist() == want, name
+    # where each sequence's queries and keys start, for the variable-length flash kernel
+    for name, seqs in (("cu_seq_q", qseq), ("cu_seq_k", kseq)):
+        assert getattr(got, name).tolist() == [sum(x < s for x in seqs) for s in range(len(chunks) + 1)], name
+    assert (got.max_q, got.max_k) == (max(qseq.count(s) for s in range(len(chunks))),
+                                      max(kseq.count(s) for s in range(len(chunks))))
     with pytest.raises(ValueError, match="block table"):
         gathered_batch([([1, 2, 3], 2, [0])], block, None, "cpu")
 
@@ -185,25 +190,50 @@ def test_masked_attention_equals_softmax_and_prefers_the_memory_efficient_kernel
 
 
 @pytest.mark.gpu
-def test_prefill_attention_runs_the_memory_efficient_kernel_gpu():
-    """On CUDA under bf16 autocast, a packed prefill's masked attention runs the memory-efficient
-    kernel, not cuDNN's (whose plan building costs ~12 ms of host time per new length), and its
-    last tokens' logits are the model's own forward's under the same autocast."""
+def test_prefill_attention_kernels_gpu():
+    """On CUDA a packed prefill attends with variable-length flash attention in 16 bits (one call over
+    every sequence, no mask) and with SDPA's memory-efficient kernel and the mask in float32 (never
+    cuDNN, whose plan building costs ~12 ms of host time per new length); either way the last
+    tokens' logits are the model's own forward's."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = tiny(n_kv_heads=2).cuda()
     prompts = random_prompts([5, 11, 7])
     batch = gathered_batch([(p, 0, [1 + 4 * i + j for j in range(4)]) for i, p in enumerate(prompts)], 4, None,
                            "cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-    with torch.no_grad(), autocast:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            got = paged_forward(model, PagedKVCache(model.config, 16, 4, device="cuda", dtype=torch.bfloat16), batch)
-        own = torch.cat([model(torch.tensor([p], device="cuda"))[0][:, -1] for p in prompts])
-    names = {e.name for e in prof.events()}
-    assert any("efficient_attention" in n for n in names), sorted(n for n in names if "attention" in n)
-    assert not any("cudnn_attention" in n for n in names)
-    torch.testing.assert_close(got.float(), own.float(), atol=2e-2, rtol=2e-2)
+    for dtype, kernel, tol in ((torch.bfloat16, "flash_attention", 2e-2), (torch.float32, "efficient_attention", 1e-4)):
+        model = tiny(n_kv_heads=2).cuda()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                got = paged_forward(model, PagedKVCache(model.config, 16, 4, device="cuda", dtype=dtype), batch)
+            own = torch.cat([model(torch.tensor([p], device="cuda"))[0][:, -1] for p in prompts])
+        names = {e.name for e in prof.events()}
+        assert any(kernel in n for n in names), (dtype, sorted(n for n in names if "attention" in n))
+        assert not any("cudnn_attention" in n for n in names)
+        torch.testing.assert_close(got.float(), own.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [dict(n_kv_heads=2), dict(n_kv_heads=1, window=6), dict()])
+def test_varlen_flash_equals_the_masked_attention_gpu(fields):
+    """gathered_attention's flash path against its masked SDPA path on the same batch: sequences
+    with and without a cached prefix (the flash kernel's causal mask aligned at the end), GQA/MQA/MHA,
+    a sliding window."""
+    from lmfs.inference.runner import gathered_attention, varlen_flash_usable
+
+    attn = tiny(**fields).blocks[0].attn
+    g = torch.Generator().manual_seed(0)
+    hd, block = BASE["d_model"] // BASE["n_heads"], 4
+    k_cache, v_cache = (torch.randn(20, block, attn.n_kv_heads, hd, generator=g).cuda().bfloat16() for _ in range(2))
+    chunks = [([1] * 5, 0, [1, 2]), ([2] * 3, 8, [3, 4, 5]), ([3] * 9, 4, [6, 7, 8, 9]), ([4], 12, [10, 11, 12, 13])]
+    batch = gathered_batch(chunks, block, attn.window, "cuda")
+    q = torch.randn(batch.tokens.numel(), attn.n_heads, hd, generator=g).cuda().bfloat16()
+    assert varlen_flash_usable(attn, q, batch)
+    masked = dataclasses.replace(batch, cu_seq_q=None)
+    assert not varlen_flash_usable(attn, q, masked)
+    got = gathered_attention(attn, q, k_cache, v_cache, batch)
+    expected = gathered_attention(attn, q, k_cache, v_cache, masked)
+    assert got.shape == expected.shape == (q.shape[0], attn.n_heads * hd)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_sampling_params_validation():

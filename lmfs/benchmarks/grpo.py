@@ -85,25 +85,25 @@ class ForwardTimer:
 
     Wraps the engine's decode step (``_decode_step``: the forward and the draw for every running
     request, on the device, replayed from a CUDA graph on a GPU) and its prefill forward (the
-    engine module's ``paged_forward`` when called outside a decode step). Only instruments: the
-    engine computes exactly what it would without it.
+    engine's ``_forward``, fused or :func:`~lmfs.inference.paged_forward`, when called outside a
+    decode step). Only instruments: the engine computes exactly what it would without it.
     """
 
     def __init__(self, llm):
-        import lmfs.inference.engine as engine
-
-        if not hasattr(llm, "_decode_step"):
-            raise RuntimeError("lmfs.inference.LLM has no _decode_step to time: update ForwardTimer to the engine")
-        self.llm, self.engine, self.cuda = llm, engine, llm.device.type == "cuda"
+        if not (hasattr(llm, "_decode_step") and hasattr(llm, "_forward")):
+            raise RuntimeError("lmfs.inference.LLM has no _decode_step or _forward to time: update ForwardTimer "
+                               "to the engine")
+        self.llm, self.cuda = llm, llm.device.type == "cuda"
         self.events: list = []
         self.real_rows = self.computed_rows = 0
         self._in_decode = False
-        self._decode, self._paged_forward = llm._decode_step, engine.paged_forward
+        self._decode, self._forward = llm._decode_step, llm._forward
         llm._decode_step = self._timed_decode
-        engine.paged_forward = self._timed_prefill
+        llm._forward = self._timed_prefill
 
     def close(self) -> None:
-        self.engine.paged_forward = self._paged_forward
+        if self.llm._forward == self._timed_prefill:   # (the engine re-sets it if the weights moved)
+            self.llm._forward = self._forward
         del self.llm._decode_step
 
     def reset(self) -> None:
@@ -133,11 +133,11 @@ class ForwardTimer:
 
     def _timed_prefill(self, model, cache, batch, *args):
         if self._in_decode:
-            return self._paged_forward(model, cache, batch, *args)
+            return self._forward(model, cache, batch, *args)
         n = batch.tokens.numel()              # packed prompts: no padding rows
         self.real_rows += n
         self.computed_rows += n
-        return self._time(self._paged_forward, model, cache, batch, *args)
+        return self._time(self._forward, model, cache, batch, *args)
 
     def useful_seconds(self) -> float:
         if self.cuda:

@@ -36,9 +36,11 @@
   decodes without graphs, with a warning. If the weights' storage changes between calls (a new
   dtype, new tensors), the graphs are captured again; weights updated in place (an optimiser
   step) are read by the next replay as they are.
-* **Fused decode forward** (``fused_decode``): decode steps may run
+* **Fused forward** (``fused_decode``): decode steps and prefills may run
   :class:`lmfs.kernels.decode.FusedDecode`, the same forward with the q/k/v and gate/up
-  projections merged into one matmul each; prefill always runs :func:`~lmfs.inference.paged_forward`.
+  projections merged into one matmul each and about ten kernels a layer (prefill attends with
+  SDPA over the keys it gathers from the cache). On a GPU a prefill of a few thousand tokens
+  written op by op spends longer launching its ~750 kernels than running them.
 * **Autocast** (``autocast=torch.bfloat16``): every forward (prefill and decode step, fused or
   not, in a CUDA graph or not) runs under ``torch.autocast``, as a training step under autocast
   does, and the KV cache holds that dtype; sampling stays in float32. The weights stay as they
@@ -190,7 +192,7 @@ class LLM:
     ``cuda_graphs``: ``"auto"`` (on for CUDA, off on the CPU), True or False; ``attention``:
     decode attention, ``"auto"`` (the Triton kernel on CUDA when importable and the model has no
     sliding window or soft-cap, else the reference), ``"triton"`` or ``"reference"``;
-    ``fused_decode``: ``"auto"`` (:class:`lmfs.kernels.decode.FusedDecode` for decode steps on
+    ``fused_decode``: ``"auto"`` (:class:`lmfs.kernels.decode.FusedDecode` for decode steps and prefills on
     CUDA when it supports the model), True (required; also on the CPU, where its Triton kernels
     run in the interpreter) or False (:func:`~lmfs.inference.paged_forward`); ``overlap``: launch
     each decode step before reading the previous one's tokens (module docstring; False waits for
@@ -245,7 +247,7 @@ class LLM:
         self.decode_attention = self._pick_attention(attention)
         self.cuda_graphs = self._pick_graphs(cuda_graphs)
         self._fused = self._pick_fused(fused_decode)   # built once: it merges the projections' weights
-        self._decode_forward = paged_forward if self._fused is None else self._fused
+        self._forward = paged_forward if self._fused is None else self._fused
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
@@ -505,7 +507,7 @@ class LLM:
         chunks = [(r.tokens[r.cached:], r.cached, r.blocks) for r in admitted]
         batch = gathered_batch(chunks, self.block_size, self.config.window, self.device)
         with self._autocast():
-            logits = paged_forward(self.model, self.cache, batch, self.decode_attention)
+            logits = self._forward(self.model, self.cache, batch, self.decode_attention)
         next_ids, logprobs = self._sample(admitted, logits.float())
         rows = torch.tensor([r.row for r in admitted], device=self.device)
         table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in admitted],
@@ -687,7 +689,7 @@ class LLM:
         positions advanced. Returns the logits ``(B, V)`` and ``(2, B)`` float64 sampled ids and
         their log-probs."""
         with self._autocast():   # inside the step, so that a CUDA graph captures the weights' casts
-            logits = self._decode_forward(self.model, self.cache, self._decode_batch(rows, width),
+            logits = self._forward(self.model, self.cache, self._decode_batch(rows, width),
                                           self.decode_attention)
         logits = logits.float()
         greedy = temperatures == 0
@@ -750,7 +752,7 @@ class LLM:
         if where != self._weights:
             self._graphs.clear()
             if self._fused is not None:
-                self._fused = self._decode_forward = self._fused_forward(type(self._fused))
+                self._fused = self._forward = self._fused_forward(type(self._fused))
                 where = self._weight_addresses()   # the parameters may now point into the merged buffers
             self._weights = where
         if self._fused is not None:

@@ -114,14 +114,20 @@ def masked_sdpa_preference(device: torch.device):
     return sdpa_kernel(list(MASKED_SDPA_BACKENDS), set_priority=True)
 
 
-def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+            masks: dict | None = None) -> torch.Tensor:
     """Masked attention: ``q`` ``(B, H, T, hd)``, ``k``/``v`` ``(B, KV, S, hd)``, ``allowed`` a bool mask
     broadcasting to ``(B, H, T, S)``. Returns ``(B, T, H·hd)``. Every query row must allow at least
-    one key (a fully masked row would turn into NaN and spread through the cache)."""
+    one key (a fully masked row would turn into NaN and spread through the cache). ``masks``: a
+    dict kept for one forward, so that its layers build the additive mask once, not once each."""
     groups = attn.n_heads // attn.n_kv_heads
     if groups > 1:  # K/V head j serves query heads j·groups .. (j+1)·groups - 1, as in the model
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+    mask = None if masks is None else masks.get(q.dtype)
+    if mask is None:
+        mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+        if masks is not None:
+            masks[q.dtype] = mask
     if attn.softcap is not None:  # SDPA cannot soft-cap: the written-out path, as the model does
         out = attention_reference(q, k, v, mask, attn.softcap)
     else:
@@ -168,6 +174,7 @@ def forward_cached(model, idx: torch.Tensor, cache) -> torch.Tensor:
         allowed = allowed[:, None]                                             # (B, 1, T, S)
 
     tables, key_tables = {}, {}   # RoPE tables of the new tokens' positions and of every key's (MLA)
+    masks = {}                    # the additive attention mask, built once for every layer
 
     def attend(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
         q = _queries(attn, h, positions, tables)
@@ -180,7 +187,7 @@ def forward_cached(model, idx: torch.Tensor, cache) -> torch.Tensor:
             cache.k[layer][:, :, P:S] = k
             cache.v[layer][:, :, P:S] = v
             k, v = cache.k[layer][:, :, :S].to(h.dtype), cache.v[layer][:, :, :S].to(h.dtype)
-        return attn.o_proj(_attend(attn, q, k, v, allowed))
+        return attn.o_proj(_attend(attn, q, k, v, allowed, masks))
 
     x = _run_blocks(model, _embed(model, idx, positions), idx, attend)
     cache.length = S
@@ -206,6 +213,10 @@ class PagedBatch:
       which key (same sequence, causal, within the window).
 
     ``logit_rows`` ``(R,)``: the tokens whose logits are wanted (a prompt's last), ``None`` for all.
+
+    ``cu_seq_q``/``cu_seq_k`` ``(S + 1,)`` int32 and ``max_q``/``max_k`` (gathered path, optional):
+    where each of the ``S`` sequences' queries and keys start in the packed order, and the longest
+    of each, for a variable-length attention kernel that needs no ``allowed`` mask.
     """
 
     tokens: torch.Tensor
@@ -217,6 +228,10 @@ class PagedBatch:
     key_positions: torch.Tensor | None = None
     allowed: torch.Tensor | None = None
     logit_rows: torch.Tensor | None = None
+    cu_seq_q: torch.Tensor | None = None
+    cu_seq_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
 
     @property
     def decode(self) -> bool:
@@ -249,14 +264,52 @@ def gathered_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], b
     kpos = torch.arange(len(ks)) - torch.repeat_interleave(ends_t.cumsum(0) - ends_t, ends_t)  # its position
     key_slots = tables[ks, kpos // block_size] * block_size + kpos % block_size  # (M,) every key's slot
     new_keys = kpos >= torch.tensor(starts)[ks]          # the keys that are this batch's new tokens, in order
-    last = torch.tensor([len(new) for new in news]).cumsum(0) - 1
+    lengths = torch.tensor([len(new) for new in news])
+    cu_q, cu_k = (torch.cat([torch.zeros(1, dtype=torch.int32), n.cumsum(0).int()]).to(device)
+                  for n in (lengths, ends_t))
     qpos, qs, ks, kpos = (t.to(device) for t in (kpos[new_keys], ks[new_keys], ks, kpos))
     allowed = (qs[:, None] == ks[None, :]) & (kpos[None, :] <= qpos[:, None])
     if window is not None:
         allowed &= (qpos[:, None] - kpos[None, :]) < window
     tokens = torch.tensor([t for new in news for t in new], dtype=torch.long, device=device)
     return PagedBatch(tokens, qpos, key_slots[new_keys].to(device), key_slots=key_slots.to(device),
-                      key_positions=kpos, allowed=allowed, logit_rows=last.to(device))
+                      key_positions=kpos, allowed=allowed, logit_rows=(lengths.cumsum(0) - 1).to(device),
+                      cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max(map(len, news)), max_k=max(ends))
+
+
+def gathered_attention(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+                       masks: dict | None = None) -> torch.Tensor:
+    """Attention of a gathered batch's queries ``q`` ``(N, H, hd)`` over the keys and values it lists
+    (``batch.key_slots``), read from one layer's paged cache ``(num_blocks, block_size, KV, hd)``
+    (its new tokens' written there first). Returns ``(N, H·hd)``; ``masks`` as for :func:`_attend`.
+
+    Two ways, same result: where :func:`varlen_flash_usable`, one variable-length flash-attention
+    call that takes every sequence's queries and keys from where ``cu_seq_q``/``cu_seq_k`` say and
+    is causal within each (aligned at the end, so a cached prefix is visible to all new tokens); it
+    computes only each sequence's own block of scores. Otherwise SDPA over all ``N x M`` pairs
+    with the ``allowed`` mask (:func:`_attend`), which also serves soft-caps and the CPU.
+    """
+    k = k_cache.flatten(0, 1)[batch.key_slots].to(q.dtype)   # (M, KV, hd)
+    v = v_cache.flatten(0, 1)[batch.key_slots].to(q.dtype)
+    if varlen_flash_usable(attn, q, batch):
+        window = {} if attn.window is None else dict(window_size_left=attn.window - 1, window_size_right=0)
+        out = torch.ops.aten._flash_attention_forward(
+            q.contiguous(), k, v, batch.cu_seq_q, batch.cu_seq_k, batch.max_q, batch.max_k, 0.0, True, False,
+            **window)[0]
+        return out.reshape(q.shape[0], -1)
+    return _attend(attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                   batch.allowed, masks)[0]
+
+
+def varlen_flash_usable(attn, q: torch.Tensor, batch: PagedBatch) -> bool:
+    """Whether :func:`gathered_attention` may call PyTorch's variable-length flash attention: a CUDA
+    build with it, 16-bit queries on the GPU, a head size it takes, no soft-cap, and a batch that
+    says where its sequences start."""
+    hd = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
+            and attn.softcap is None and batch.cu_seq_q is not None
+            and torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)   # flash needs Ampere or newer
 
 
 DecodeAttention = Callable[..., torch.Tensor]
@@ -283,6 +336,7 @@ def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAtten
     positions = batch.positions
 
     tables, key_tables = {}, {}   # RoPE tables of the new tokens' positions and of every key's (MLA)
+    masks = {}                    # the additive attention mask, built once for every layer
 
     def attend(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
         q = _queries(attn, h, positions, tables)              # (1, H, N, hd)
@@ -292,7 +346,7 @@ def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAtten
             k_flat.index_copy_(0, batch.slots, kv_in[0, :, None].to(k_flat.dtype))
             latent = k_flat[batch.key_slots][None, :, 0].to(h.dtype)          # (1, M, L)
             k, v = _keys_values(attn, latent, batch.key_positions, key_tables)
-            return attn.o_proj(_attend(attn, q, k, v, batch.allowed))
+            return attn.o_proj(_attend(attn, q, k, v, batch.allowed, masks))
         k, v = _keys_values(attn, kv_in, positions, tables)   # (1, KV, N, hd)
         v_flat = cache.v[layer].flatten(0, 1)
         k_flat.index_copy_(0, batch.slots, k[0].transpose(0, 1).to(k_flat.dtype))
@@ -301,9 +355,8 @@ def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAtten
             out = decode_attention(q[0].transpose(0, 1).contiguous(), cache.k[layer], cache.v[layer],
                                    batch.block_tables, batch.seq_lens, **extra)   # (N, H, hd)
             return attn.o_proj(out.to(h.dtype).reshape(1, out.shape[0], -1))
-        k = k_flat[batch.key_slots].transpose(0, 1)[None].to(h.dtype)          # (1, KV, M, hd)
-        v = v_flat[batch.key_slots].transpose(0, 1)[None].to(h.dtype)
-        return attn.o_proj(_attend(attn, q, k, v, batch.allowed))
+        out = gathered_attention(attn, q[0].transpose(0, 1), cache.k[layer], cache.v[layer], batch, masks)
+        return attn.o_proj(out[None])
 
     x = _run_blocks(model, _embed(model, idx, positions), idx, attend)
     if batch.logit_rows is not None:

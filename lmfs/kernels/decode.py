@@ -17,7 +17,9 @@ it does, and together they take longer than the matmuls. Here one layer is nine 
     gu = h @ W_guᵀ                          ONE matmul on the merged gate/up weight
     delta = swiglu(gu) @ W_downᵀ            SwiGLU kernel + matmul (or one Triton GEMV, below)
 
-then the final add + norm and the model's own head.
+then the final add + norm and the model's own head. A prefill (a gathered batch, many tokens per
+sequence) runs the same kernels with SDPA over the keys gathered from the cache in place of the
+decode attention.
 
 **Merged weights without a second copy.** One matmul for q, k and v needs their weights in one
 ``((H + 2·KV)·hd, d)`` tensor. Concatenating them at every step would copy them (more bytes than
@@ -65,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, row_block, row_warps, tl, triton
+from lmfs.inference.runner import gathered_attention
 from lmfs.kernels.fused import swiglu
 from lmfs.nn import GatedMLP, Linear, TransformerLM
 from lmfs.nn.layers import RMSNorm
@@ -269,10 +272,14 @@ class FusedDecode:
     gate/up weights into one buffer each, re-pointing the parameters into it (no second copy;
     in-place updates of the parameters are seen, state-dict keys and shapes do not change).
 
-    ``fused(model, cache, batch, decode_attention)`` is :func:`lmfs.inference.paged_forward` for
-    decode batches (one token per sequence): it writes the new keys and values into ``cache`` at
-    ``batch.slots`` and returns the logits ``(R, V)`` (rows ``batch.logit_rows``, all if None) in
-    the model's dtype. ``gemv``: a Triton GEMV instead of cuBLAS for batches of at most
+    ``fused(model, cache, batch, decode_attention)`` is :func:`lmfs.inference.paged_forward`: it
+    writes the new keys and values into ``cache`` at ``batch.slots`` and returns the logits ``(R, V)``
+    (rows ``batch.logit_rows``, all if None) in the model's dtype. A decode batch (one token per
+    sequence) attends through ``decode_attention``; a gathered batch (a prefill, several prompts
+    packed in one row) through :func:`lmfs.inference.runner.gathered_attention`, SDPA over the keys
+    it lists. The kernels are the same for both: a prefill of a few thousand tokens launches about
+    fourteen a layer instead of about fifty, which on a GPU is the difference between waiting for
+    the host and waiting for the matmuls. ``gemv``: a Triton GEMV instead of cuBLAS for batches of at most
     :data:`GEMV_MAX_ROWS` tokens (off by default; see the module docstring). ``dtype``: for calls
     under ``torch.autocast(dtype=dtype)`` on weights of another dtype, hold the projection weights
     in ``dtype`` (copies, refreshed from the parameters; the parameters are not re-pointed), so
@@ -407,9 +414,9 @@ class FusedDecode:
 
     @torch.no_grad()
     def __call__(self, model, cache, batch, decode_attention) -> torch.Tensor:
-        if not batch.decode or cache.mla:
-            raise ValueError("FusedDecode runs decode batches (one new token per sequence) over a K/V paged "
-                             "cache; use lmfs.inference.paged_forward for prefill")
+        if cache.mla:
+            raise ValueError("FusedDecode runs over a K/V paged cache, not an MLA cache of latents; use "
+                             "lmfs.inference.paged_forward")
         emb = model.tok_emb.weight
         if self.dtype is not None and not (torch.is_autocast_enabled(emb.device.type)
                                            and torch.get_autocast_dtype(emb.device.type) == self.dtype):
@@ -423,7 +430,7 @@ class FusedDecode:
         x = emb.new_empty(N, d)   # the residual stream
         h = emb.new_empty(N, d)   # its normed copy, the input of each branch
         rope = model.blocks[0].attn.rope
-        delta = None
+        delta, masks = None, {}   # masks: a gathered batch's attention mask, built once for every layer
         for layer, (block, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(model.blocks, self._layers)):
             k_cache, v_cache = cache.k[layer], cache.v[layer]
             if layer == 0:
@@ -436,7 +443,10 @@ class FusedDecode:
             rope_cache_kernel[(N, H + KV)](qkv, batch.positions, batch.slots, cos, sin, q, k_cache, v_cache, H=H,
                                            KV=KV, HALF=hd // 2, BLOCK_HALF=triton.next_power_of_2(hd // 2),
                                            ROTATE=rope is not None, num_warps=1)
-            out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)   # (N, H, hd)
+            if batch.decode:
+                out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)   # (N, H, hd)
+            else:   # prefill: SDPA over the keys the batch lists, gathered from the cache
+                out = gathered_attention(block.attn, q, k_cache, v_cache, batch, masks)
             residual_rmsnorm(x, self._linear(out.to(h.dtype).reshape(N, H * hd), w_o), block.norms[1], h)
             delta = self._down(self._linear(h, w_gate_up), w_down)
         residual_rmsnorm(x, delta, model.final_norm, h)
