@@ -297,7 +297,8 @@ class LLM:
         return cuda_graphs is not False and self.device.type == "cuda" and capturable
 
     def _pick_fused(self, fused_decode):
-        """The fused decode forward (:class:`lmfs.kernels.decode.FusedDecode`) for this model, or None."""
+        """The fused forward (:class:`lmfs.kernels.decode.FusedDecode`, decode steps and prefills) for
+        this model, or None."""
         if fused_decode not in ("auto", True, False):
             raise ValueError(f"fused_decode={fused_decode!r}: use 'auto', True or False")
         if fused_decode is False or (fused_decode == "auto" and self.device.type != "cuda"):

@@ -22,8 +22,9 @@
                            launch; dx and dw kernels for the backward (:mod:`lmfs.kernels.grouped_gemm`)
 :func:`paged_decode_attention`  one decode token per sequence attending over a paged KV cache
                            through its block table (:mod:`lmfs.kernels.paged_attention`)
-:class:`FusedDecode`       a dense model's decode step in about ten kernels a layer: merged
-                           projections, fused norms, RoPE and cache writes (:mod:`lmfs.kernels.decode`)
+:class:`FusedDecode`       a dense model's decode step (and packed prefill) in about ten kernels a
+                           layer: merged projections, fused norms, RoPE and cache writes
+                           (:mod:`lmfs.kernels.decode`)
 :func:`dequant_matmul`     activations times int8 / packed int4 group-quantised weights,
                            dequantised in registers (:mod:`lmfs.kernels.dequant_matmul`)
 :func:`fuse_model`         a built ``TransformerLM`` made faster in place: fused projections,
