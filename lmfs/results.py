@@ -159,6 +159,18 @@ def performance_rows() -> list[str]:
                 f"({lm['useful_share_of_rollout']:.0%} of the rollout); "
                 + (f"**{grpo['ratio']:.2f}×** TRL's samples/s" if "ratio" in grpo else "TRL not measured")
                 + f" ({grpo['params'] / 1e6:.2f} M parameters, {grpo['batch']} sequences a step)")
+        others = grpo.get("other_runs", [])   # the same code run again: how far one run is from another
+        if others:
+            def span(key, fmt):
+                values = sorted(r[key] for r in others if key in r)
+                if not values:
+                    return None
+                low, high = fmt.format(values[0]), fmt.format(values[-1])
+                return low if low == high else f"{low}–{high}"
+            ratio = span("ratio", "{:.2f}×")
+            text += (f"; other runs of the same code: {span('useful_generation_share', '{:.0%}')} of a step "
+                     f"({span('useful_share_of_rollout', '{:.0%}')} of the rollout)"
+                     + (f", {ratio} TRL's samples/s" if ratio else ""))
     rows.append(_row("grpo", grpo, "TRL `GRPOTrainer` (same exported model, task, batch)",
                      "≥ 70% useful generation, ≥ 2× TRL's samples/s", grpo and text))
     fit = load_result("chinchilla-fit", device="cpu", quiet=True)
