@@ -83,3 +83,21 @@ def test_performance_table_without_results_says_not_measured(tmp_path, monkeypat
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
     rows = results.performance_rows()
     assert len(rows) == 16 and all(row.endswith("| not measured |") for row in rows)
+
+
+def test_grpo_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
+    from lmfs import results
+
+    (tmp_path / "h200").mkdir()
+    run = {"date": "2026-12-01", "device": "NVIDIA H200", "params": 25.8e6, "batch": 256, "ratio": 13.15,
+           "lmfs": {"useful_generation_share": 0.56, "useful_share_of_rollout": 0.79}}
+    path = tmp_path / "h200" / "grpo.json"
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    path.write_text(json.dumps(run))
+    row = next(r for r in results.performance_rows() if r.startswith("| `grpo`"))
+    assert "56% of a step (79% of the rollout); **13.15×**" in row and "other runs" not in row
+    run["other_runs"] = [{"useful_generation_share": 0.44, "useful_share_of_rollout": 0.59, "ratio": 7.92},
+                         {"useful_generation_share": 0.44, "useful_share_of_rollout": 0.56}]   # one without TRL
+    path.write_text(json.dumps(run))
+    row = next(r for r in results.performance_rows() if r.startswith("| `grpo`"))
+    assert "other runs of the same code: 44% of a step (56%–59% of the rollout), 7.92× TRL's samples/s" in row
