@@ -38,8 +38,8 @@
   step) are read by the next replay as they are.
 * **Fused forward** (``fused_decode``): decode steps and prefills may run
   :class:`lmfs.kernels.decode.FusedDecode`, the same forward with the q/k/v and gate/up
-  projections merged into one matmul each and about ten kernels a layer (prefill attends with
-  SDPA over the keys it gathers from the cache). On a GPU a prefill of a few thousand tokens
+  projections merged into one matmul each and about ten kernels a layer (prefill attends over the
+  keys it gathers from the cache, :func:`~lmfs.inference.runner.gathered_attention`). On a GPU a prefill of a few thousand tokens
   written op by op spends longer launching its ~750 kernels than running them.
 * **Autocast** (``autocast=torch.bfloat16``): every forward (prefill and decode step, fused or
   not, in a CUDA graph or not) runs under ``torch.autocast``, as a training step under autocast

@@ -18,8 +18,9 @@ it does, and together they take longer than the matmuls. Here one layer is nine 
     delta = swiglu(gu) @ W_downᵀ            SwiGLU kernel + matmul (or one Triton GEMV, below)
 
 then the final add + norm and the model's own head. A prefill (a gathered batch, many tokens per
-sequence) runs the same kernels with SDPA over the keys gathered from the cache in place of the
-decode attention.
+sequence) runs the same kernels with :func:`lmfs.inference.runner.gathered_attention` (variable-length
+flash attention on a GPU, masked SDPA otherwise) over the keys gathered from the cache in place of
+the decode attention.
 
 **Merged weights without a second copy.** One matmul for q, k and v needs their weights in one
 ``((H + 2·KV)·hd, d)`` tensor. Concatenating them at every step would copy them (more bytes than
@@ -276,8 +277,8 @@ class FusedDecode:
     writes the new keys and values into ``cache`` at ``batch.slots`` and returns the logits ``(R, V)``
     (rows ``batch.logit_rows``, all if None) in the model's dtype. A decode batch (one token per
     sequence) attends through ``decode_attention``; a gathered batch (a prefill, several prompts
-    packed in one row) through :func:`lmfs.inference.runner.gathered_attention`, SDPA over the keys
-    it lists. The kernels are the same for both: a prefill of a few thousand tokens launches about
+    packed in one row) through :func:`lmfs.inference.runner.gathered_attention`, over the keys it
+    lists. The kernels are the same for both: a prefill of a few thousand tokens launches about
     fourteen a layer instead of about fifty, which on a GPU is the difference between waiting for
     the host and waiting for the matmuls. ``gemv``: a Triton GEMV instead of cuBLAS for batches of at most
     :data:`GEMV_MAX_ROWS` tokens (off by default; see the module docstring). ``dtype``: for calls
@@ -445,7 +446,7 @@ class FusedDecode:
                                            ROTATE=rope is not None, num_warps=1)
             if batch.decode:
                 out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)   # (N, H, hd)
-            else:   # prefill: SDPA over the keys the batch lists, gathered from the cache
+            else:   # prefill: attention over the keys the batch lists, gathered from the cache
                 out = gathered_attention(block.attn, q, k_cache, v_cache, batch, masks)
             residual_rmsnorm(x, self._linear(out.to(h.dtype).reshape(N, H * hd), w_o), block.norms[1], h)
             delta = self._down(self._linear(h, w_gate_up), w_down)
