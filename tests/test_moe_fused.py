@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import DEVICE, model_of, tiny
 
-from lmfs.kernels.moe import FusedMoE, _combine, slot_table, use_fused_moe
-from lmfs.nn.moe import MoE, ROUTERS
+from lmfs.kernels.moe import FusedMoE, _combine, fused_routing, slot_table, use_fused_moe
+from lmfs.nn.moe import MoE, ROUTERS, Router, device_balance_loss, router_z_loss, switch_loss
 
 D, F_, E = 20, 24, 4
 
@@ -138,6 +138,50 @@ def test_fused_routing_weight_gradient_matches_autograd(router, capacity_factor)
     got, want = run(fused, x, ids)[2], run(loop, x, ids)[2]
     assert want["router.proj.weight"].abs().max() > 1e-3  # a gradient worth comparing
     torch.testing.assert_close(got["router.proj.weight"], want["router.proj.weight"], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("N,d,E,k,losses", [(37, 20, 6, 2, True), (16, 40, 20, 3, True), (37, 20, 6, 2, False)])
+def test_fused_router_matches_the_router_with_its_losses(kind, N, d, E, k, losses):
+    """One kernel for the router against :class:`lmfs.nn.moe.Router` (float32 matmul, softmax,
+    topk): the same assignments, weights, probabilities and logits, and through a loss that uses
+    the weights and every balancing loss (or the weights alone), the same gradients for x and the
+    router's weight. Shapes off the kernel's blocks (tokens, d_model, experts not multiples of 16)."""
+    torch.manual_seed(0)
+    router = Router(d, E, k, kind).to(DEVICE)
+    x = torch.randn(N, d, device=DEVICE)
+    ramp = torch.linspace(-1, 1, N * k, device=DEVICE)
+    results = []
+    for route in (lambda x: router(x), lambda x: fused_routing(router, x)):
+        router.zero_grad()
+        xg = x.clone().requires_grad_()
+        r = route(xg)
+        load = torch.bincount(r.expert, minlength=E)
+        loss = (r.weight * ramp).sum()
+        if losses:
+            loss = loss + switch_loss(r.probs, load) + device_balance_loss(r.probs, load, 2) + router_z_loss(r.logits)
+        loss.backward()
+        results.append((r, xg.grad, router.proj.weight.grad.clone()))
+    (got, gx, gw), (want, wx, ww) = results[1], results[0]
+    assert torch.equal(got.token, want.token) and torch.equal(got.expert, want.expert)
+    for name in ("weight", "probs", "logits"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-6, rtol=1e-5, msg=name)
+    torch.testing.assert_close(gx, wx, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gw, ww, atol=1e-6, rtol=1e-5)
+
+
+def test_slot_table_choice_major_equals_the_sorted_slots():
+    """Token choice with nothing dropped: the slots read off the assignment order equal the
+    general construction's (which sorts the assignments by token)."""
+    g = torch.Generator().manual_seed(0)
+    N, E, k = 50, 7, 3
+    expert = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).T.reshape(-1)
+    token, weight = torch.arange(N).repeat(k), torch.rand(N * k, generator=g)
+    general, fast = slot_table(token, expert, weight, N, E, k), slot_table(token, expert, weight, N, E, k, True)
+    for a, b in zip(general, fast):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="choice_major"):
+        slot_table(token[:-1], expert[:-1], weight[:-1], N, E, k, True)
 
 
 def test_slot_table_by_hand():

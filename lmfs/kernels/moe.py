@@ -42,12 +42,14 @@ backward, in tests/test_moe_fused.py; timed by ``python -m lmfs.benchmarks moe``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmfs.kernels._triton import INTERPRET, check_tensors, config_str, tl, triton
 from lmfs.kernels.grouped_gemm import (_FWD_BLOCKS, _FWD_CONFIGS, _FWD_NAMES, _autotuned, _block_e, _matmul,
                                        _precision, _rows_bucket, _tile_coords, _tile_grid, _tile_product, _weight_grad)
-from lmfs.nn.moe import MoE
+from lmfs.kernels.fused import fused_linear, swiglu
+from lmfs.nn.moe import MoE, Routing
 
 
 @triton.jit(do_not_specialize=["N", "ROWS_BUCKET", "N_CANDIDATES"])
@@ -182,6 +184,136 @@ def moe_combine_kernel(y_ptr, slot_pos_ptr, base_ptr, out_ptr, T, D, SLOTS: tl.c
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def moe_router_kernel(x_ptr, w_ptr, logits_ptr, probs_ptr, weight_ptr, expert_ptr, token_ptr, N, D, E,
+                      TOP_K: tl.constexpr, TOPK_THEN_SOFTMAX: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Token-choice routing of ``BLOCK_T`` tokens: ``logits = x · Wᵀ`` in float32 (x (N, D) in any
+    float dtype, upcast as it is loaded; W (E, D), the router's Linear weight), the softmax
+    ``probs``, and the top ``TOP_K`` experts by repeated arg-max (descending, the lowest index
+    first among equal logits) with their weights: the chosen probabilities, or with
+    ``TOPK_THEN_SOFTMAX`` a softmax over the chosen logits. Stores logits and probs (N, E) and the
+    weights, experts and tokens choice-major, ``(TOP_K, N)``: the order of
+    :func:`~lmfs.nn.moe._token_choice`."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    es = tl.arange(0, BLOCK_E)
+    e_ok = es < E
+    ds = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d_ok = ds < D - d0
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + (d0 + ds)[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + es[None, :] * D + (d0 + ds)[:, None], mask=d_ok[:, None] & e_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    logits = tl.where(e_ok[None, :], acc, float("-inf"))
+    top = tl.max(logits, axis=1)
+    p = tl.exp(logits - top[:, None])
+    total = tl.sum(p, axis=1)
+    offs = rows.to(tl.int64)[:, None] * E + es[None, :]
+    mask = row_ok[:, None] & e_ok[None, :]
+    tl.store(logits_ptr + offs, acc, mask=mask)
+    tl.store(probs_ptr + offs, p / total[:, None], mask=mask)
+    # The probabilities rank the experts as the logits do: choose on the logits.
+    ks = tl.arange(0, BLOCK_K)
+    chosen = tl.full([BLOCK_T, BLOCK_K], float("-inf"), tl.float32)
+    vals = logits
+    for j in tl.static_range(TOP_K):
+        best = tl.max(vals, axis=1)
+        idx = tl.min(tl.where(vals == best[:, None], es[None, :], BLOCK_E), axis=1)
+        tl.store(expert_ptr + j * N + rows, idx.to(tl.int64), mask=row_ok)
+        tl.store(token_ptr + j * N + rows, rows.to(tl.int64), mask=row_ok)
+        chosen = tl.where(ks[None, :] == j, best[:, None], chosen)
+        vals = tl.where(es[None, :] == idx[:, None], float("-inf"), vals)
+    if TOPK_THEN_SOFTMAX:
+        weight = tl.exp(chosen - top[:, None])   # the first choice is the largest logit
+        weight = weight / tl.sum(weight, axis=1)[:, None]
+    else:
+        weight = tl.exp(chosen - top[:, None]) / total[:, None]
+    tl.store(weight_ptr + ks[None, :] * N + rows[:, None], weight, mask=row_ok[:, None] & (ks < TOP_K)[None, :])
+
+
+@triton.jit
+def moe_router_dx_kernel(probs_ptr, weight_ptr, expert_ptr, dweight_ptr, dprobs_ptr, dlogits_in_ptr, w_ptr,
+                         dlogits_ptr, dx_ptr, N, D, E, TOP_K: tl.constexpr, TOPK_THEN_SOFTMAX: tl.constexpr,
+                         HAS_DWEIGHT: tl.constexpr, HAS_DPROBS: tl.constexpr, HAS_DLOGITS: tl.constexpr,
+                         NEED_DX: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The router's backward for ``BLOCK_T`` tokens: the logits' gradient (float32, stored (N, E)
+    for the weight's gradient) from the gradients of the weights (choice-major, as
+    :func:`moe_router_kernel` stores them) and, where given, of probs and logits; then
+    ``dx = dlogits · W`` (W (E, D)) in x's dtype."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    es = tl.arange(0, BLOCK_E)
+    e_ok = es < E
+    offs = rows.to(tl.int64)[:, None] * E + es[None, :]
+    mask = row_ok[:, None] & e_ok[None, :]
+    probs = tl.load(probs_ptr + offs, mask=mask, other=0.0)
+    dp = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)   # gradient of the probabilities
+    dl = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)   # of the logits, beyond the softmax's
+    if HAS_DWEIGHT:
+        if TOPK_THEN_SOFTMAX:   # w = softmax(chosen logits): dl_j = w_j (dw_j - Σ_i w_i dw_i)
+            s = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                s += tl.load(weight_ptr + j * N + rows, mask=row_ok, other=0.0) * \
+                    tl.load(dweight_ptr + j * N + rows, mask=row_ok, other=0.0)
+            for j in tl.static_range(TOP_K):
+                w_j = tl.load(weight_ptr + j * N + rows, mask=row_ok, other=0.0)
+                dw_j = tl.load(dweight_ptr + j * N + rows, mask=row_ok, other=0.0)
+                e_j = tl.load(expert_ptr + j * N + rows, mask=row_ok, other=0)
+                dl = tl.where(es[None, :] == e_j[:, None], (w_j * (dw_j - s))[:, None], dl)
+        else:                   # w = the chosen probabilities
+            for j in tl.static_range(TOP_K):
+                dw_j = tl.load(dweight_ptr + j * N + rows, mask=row_ok, other=0.0)
+                e_j = tl.load(expert_ptr + j * N + rows, mask=row_ok, other=0)
+                dp = tl.where(es[None, :] == e_j[:, None], dw_j[:, None], dp)
+    if HAS_DPROBS:
+        dp += tl.load(dprobs_ptr + offs, mask=mask, other=0.0)
+    dl += probs * (dp - tl.sum(probs * dp, axis=1)[:, None])   # the softmax's Jacobian
+    if HAS_DLOGITS:
+        dl += tl.load(dlogits_in_ptr + offs, mask=mask, other=0.0)
+    tl.store(dlogits_ptr + offs, dl, mask=mask)
+    if NEED_DX:
+        ds = tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = ds < D - d0
+            w = tl.load(w_ptr + es[:, None] * D + (d0 + ds)[None, :], mask=e_ok[:, None] & d_ok[None, :],
+                        other=0.0).to(tl.float32)
+            dx = tl.dot(dl, w, input_precision=PRECISION)
+            tl.store(dx_ptr + rows.to(tl.int64)[:, None] * D + (d0 + ds)[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def moe_router_dw_kernel(dlogits_ptr, x_ptr, part_ptr, N, D, E, TOKENS_PER_SPLIT, PRECISION: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One split's share of the router weight's gradient ``dlogitsᵀ · x`` over ``BLOCK_D`` columns:
+    the tokens ``[split · TOKENS_PER_SPLIT, ...)``, into ``part[split]`` (E, D) float32 (the caller
+    sums over the splits)."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    split = tl.program_id(1)
+    es = tl.arange(0, BLOCK_E)
+    e_ok = es < E
+    ts = tl.arange(0, BLOCK_T)
+    start = split * TOKENS_PER_SPLIT
+    end = tl.minimum(start + TOKENS_PER_SPLIT, N)
+    acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        t_ok = t0 + ts < end
+        dl = tl.load(dlogits_ptr + (t0 + ts).to(tl.int64)[None, :] * E + es[:, None], mask=e_ok[:, None] & t_ok[None, :],
+                     other=0.0)
+        xt = tl.load(x_ptr + (t0 + ts).to(tl.int64)[:, None] * D + cols[None, :], mask=t_ok[:, None] & col_ok[None, :],
+                     other=0.0).to(tl.float32)
+        acc = tl.dot(dl, xt, acc, input_precision=PRECISION)
+    tl.store(part_ptr + split.to(tl.int64) * E * D + es[:, None] * D + cols[None, :], acc,
+             mask=e_ok[:, None] & col_ok[None, :])
+
+
 # Tile shapes of the three matmul kernels, as grouped_gemm's (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 # stages), the likeliest first. The first layer keeps two (BLOCK_M, BLOCK_N) float32 accumulators
 # (gate and up), and the second layer's input gradient up to three float32 tiles in its epilogue;
@@ -303,8 +435,83 @@ class _FusedExperts(torch.autograd.Function):
         return dx, dw_gate, dw_up, dw_down, parts.sum(0) if need[4] else None, None, None, None, None, dshared
 
 
+# The router kernels' tiles, and the precision of their float32 products. "tf32x3" runs them on
+# the tensor cores with float32 accuracy: each operand is split into a TF32 part and a TF32
+# remainder and three products are summed (the remainders' product, below float32's rounding, is
+# left out); bf16 activations are exact in TF32. On the FMA units ("ieee") the forward's product
+# took 183 µs at the benchmark's shape (16,384 tokens, d_model 1024, 64 experts, one H200).
+_ROUTER_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
+_ROUTER_DW_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
+_ROUTER_DW_PROGRAMS = 4 if INTERPRET else 256   # about how many programs the weight gradient splits into
+ROUTER_PRECISION = "ieee" if INTERPRET else "tf32x3"
+
+
+class _FusedRouter(torch.autograd.Function):
+    """``_FusedRouter.apply(x, w, top_k, topk_then_softmax)`` -> ``(weight, expert, token, probs, logits)``:
+    :class:`~lmfs.nn.moe.Router`'s ``"softmax_topk"`` / ``"topk_softmax"`` routing in one kernel
+    (:func:`moe_router_kernel`); weight, expert and token (A,) choice-major, probs and logits (N, E)
+    float32.
+    The backward takes the gradients of the weights and, where the balancing losses were used, of
+    probs and logits, and returns x's and w's: ``dlogits`` from the softmax's (and top-k's) Jacobian
+    and ``dx = dlogits · W`` in one kernel, ``dW = dlogitsᵀ · x`` in another (split over the tokens),
+    products in float32."""
+
+    @staticmethod
+    def forward(ctx, x, w, top_k, topk_then_softmax):
+        (N, D), E = x.shape, w.shape[0]
+        logits, probs = (torch.empty(N, E, device=x.device, dtype=torch.float32) for _ in range(2))
+        weight = torch.empty(top_k, N, device=x.device, dtype=torch.float32)
+        expert, token = (torch.empty(top_k, N, device=x.device, dtype=torch.int64) for _ in range(2))
+        if N:
+            grid = (triton.cdiv(N, _ROUTER_BLOCKS["BLOCK_T"]),)
+            moe_router_kernel[grid](x, w, logits, probs, weight, expert, token, N, D, E, top_k, topk_then_softmax,
+                                    ROUTER_PRECISION, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                                    BLOCK_K=triton.next_power_of_2(top_k), **_ROUTER_BLOCKS)
+        ctx.save_for_backward(x, w, probs, weight, expert)
+        ctx.topk_then_softmax = topk_then_softmax
+        ctx.mark_non_differentiable(expert, token)
+        return weight.view(-1), expert.view(-1), token.view(-1), probs, logits
+
+    @staticmethod
+    def backward(ctx, d_weight, _expert, _token, d_probs, d_logits):
+        x, w, probs, weight, expert = ctx.saved_tensors
+        (N, D), E, k = x.shape, w.shape[0], weight.shape[0]
+        dlogits = torch.empty_like(probs)
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dx = torch.empty_like(x) if need_dx else None
+        if N:
+            blocks, block_e = _ROUTER_BLOCKS, max(16, triton.next_power_of_2(E))
+            inputs = [t.contiguous() if t is not None else probs for t in (d_weight, d_probs, d_logits)]
+            moe_router_dx_kernel[(triton.cdiv(N, blocks["BLOCK_T"]),)](
+                probs, weight, expert, *inputs, w, dlogits, dlogits if dx is None else dx, N, D, E, k,
+                ctx.topk_then_softmax, d_weight is not None, d_probs is not None, d_logits is not None, need_dx,
+                ROUTER_PRECISION, BLOCK_E=block_e, **blocks)
+        dw = None
+        if need_dw:
+            col_tiles = triton.cdiv(D, _ROUTER_DW_BLOCKS["BLOCK_D"])
+            per_split = _ROUTER_DW_BLOCKS["BLOCK_T"] * max(1, triton.cdiv(N, _ROUTER_DW_BLOCKS["BLOCK_T"] * max(
+                1, _ROUTER_DW_PROGRAMS // col_tiles)))
+            splits = max(1, triton.cdiv(N, per_split))
+            part = torch.empty(splits, E, D, device=x.device, dtype=torch.float32)
+            moe_router_dw_kernel[(col_tiles, splits)](dlogits, x, part, N, D, E, per_split, ROUTER_PRECISION,
+                                                      BLOCK_E=max(16, triton.next_power_of_2(E)), **_ROUTER_DW_BLOCKS)
+            dw = part.sum(0).to(w.dtype) if splits > 1 else part[0].to(w.dtype)
+        return dx, dw, None, None
+
+
+def fused_routing(router, x: torch.Tensor) -> Routing:
+    """The :class:`~lmfs.nn.moe.Routing` that ``router`` (a ``"softmax_topk"`` or ``"topk_softmax"``
+    :class:`~lmfs.nn.moe.Router`) computes for ``x`` (N, d_model), from one kernel."""
+    k = router.top_k
+    check_tensors("fused_routing", x=x)
+    check_tensors("fused_routing", weight=router.proj.weight)
+    weight, expert, token, probs, logits = _FusedRouter.apply(x.contiguous(), router.proj.weight, k,
+                                                              router.kind == "topk_softmax")
+    return Routing(token, expert, weight, probs, logits)
+
+
 def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, n_tokens: int, n_experts: int,
-               slots: int):
+               slots: int, choice_major: bool = False):
     """From kept assignments ``(token, expert, weight)`` (each (A,)): the layout the fused kernels use.
 
     Returns ``rows`` (A,): the token of each position once sorted by expert; ``offsets`` (E + 1,)
@@ -313,16 +520,22 @@ def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, 
     ``row_weight`` (A,) float32: the routing weight of each sorted position (differentiable in
     ``weight``). ``slots`` must be at least the most assignments any token has (top-k for token
     choice). Boundaries come from ``searchsorted`` on the sorted keys rather than ``bincount``,
-    which on a GPU reads the largest key back to the host and so waits for the GPU."""
+    which on a GPU reads the largest key back to the host and so waits for the GPU. With
+    ``choice_major``, assignment ``j·tokens + t`` is token ``t``'s ``j``-th (token choice with
+    nothing dropped, the order of :func:`~lmfs.nn.moe._token_choice`): the slots need no sort."""
     A, device = token.shape[0], token.device
-    # Both sorts on 32-bit keys: a radix sort makes one pass per 8 bits of its keys, and the
-    # ids come as int64.
-    key = expert.to(torch.int32)
-    order = torch.argsort(key, stable=True)
-    experts = torch.arange(n_experts + 1, device=device, dtype=torch.int32)
-    offsets = torch.searchsorted(key[order], experts, out_int32=True)
+    # A radix sort makes one pass per 8 bits of its keys, and the ids come as int64: sort the
+    # smallest integer type that holds every expert id and the end of the last group.
+    key = expert.to(torch.uint8 if n_experts < 256 else torch.int32)
+    sorted_key, order = torch.sort(key, stable=True)
+    experts = torch.arange(n_experts + 1, device=device, dtype=key.dtype)
+    offsets = torch.searchsorted(sorted_key, experts, out_int32=True)
     position = torch.empty(A, device=device, dtype=torch.int32)
     position[order] = torch.arange(A, device=device, dtype=torch.int32)  # sorted position of each assignment
+    if choice_major:
+        if A != n_tokens * slots:
+            raise ValueError(f"slot_table: choice_major needs tokens·slots = {n_tokens * slots} assignments, got {A}")
+        return token[order], offsets, position.view(slots, n_tokens).T.contiguous(), weight.float().gather(0, order)
     by_token = torch.argsort(token.to(torch.int32), stable=True)        # assignments grouped by token
     owner = token[by_token]
     slot = torch.arange(A, device=device) - torch.searchsorted(owner, owner)  # rank within its token
@@ -339,21 +552,28 @@ class FusedMoE(MoE):
     the parent's. SwiGLU experts only. Made by :func:`use_fused_moe`, which swaps the class."""
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The parent's forward, except that the shared experts' output goes into the combine
-        kernel, which adds it while it writes the routed sum: no separate pass over the output."""
+        """The parent's forward, except that softmax routers run as one kernel (:func:`fused_routing`),
+        the shared experts as two matmuls and a SwiGLU kernel (:func:`shared_experts`), and their
+        output goes into the combine kernel, which adds it while it writes the routed sum: no
+        separate pass over the output."""
         if self.dispatch == "loop":
             return super().forward(x, token_ids)
         flat = x.reshape(-1, x.shape[-1])                                        # (N, d)
-        routing = self.router(flat, token_ids, self.capacity_factor)
+        if self.router.kind in FUSED_ROUTERS:
+            routing = fused_routing(self.router, flat)
+        else:
+            routing = self.router(flat, token_ids, self.capacity_factor)
         token, expert, weight = self.drop_over_capacity(routing, flat.shape[0])
-        shared = None if self.shared is None else self.shared(flat)
+        shared = None if self.shared is None else shared_experts(self.shared, flat)
         return self.combine_sorted(flat, token, expert, weight, shared).view_as(x)
 
     def combine_sorted(self, x, token, expert, weight, shared=None):
         """The routed experts' weighted sum per token, plus ``shared`` (tokens, d_model) if given."""
         N, E = x.shape[0], self.n_experts
         slots = E if self.router.kind == "expert_choice" else self.top_k  # most assignments a token can have
-        rows, offsets, slot_pos, row_weight = slot_table(token, expert, weight, N, E, slots)
+        # token choice with nothing dropped: every token's k choices, choice-major (_token_choice)
+        every_choice = self.router.kind != "expert_choice" and token.shape[0] == N * slots
+        rows, offsets, slot_pos, row_weight = slot_table(token, expert, weight, N, E, slots, every_choice)
         dtype = x.dtype
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the matmuls run in autocast's dtype
             dtype = torch.get_autocast_dtype("cuda")
@@ -361,6 +581,18 @@ class FusedMoE(MoE):
         xs, w_gate, w_up, w_down = (t.to(dtype).contiguous() for t in (x, experts.w_gate, experts.w_up, experts.w_down))
         check_tensors("FusedMoE", x=xs, w_gate=w_gate)
         return _FusedExperts.apply(xs, w_gate, w_up, w_down, row_weight, rows, offsets, slot_pos, x.dtype, shared)
+
+
+FUSED_ROUTERS = ("softmax_topk", "topk_softmax")  # the routers fused_routing computes
+
+
+def shared_experts(mlp, x: torch.Tensor) -> torch.Tensor:
+    """``mlp(x)`` for the shared experts' :class:`~lmfs.nn.GatedMLP`; with SwiGLU, gate and up as one
+    matmul (:func:`~lmfs.kernels.fused.fused_linear`: one gradient for x, not two to add) and the
+    activation in one kernel (:func:`~lmfs.kernels.fused.swiglu`)."""
+    if mlp.act is not F.silu:
+        return mlp(x)
+    return mlp.down(swiglu(fused_linear(x, [mlp.gate, mlp.up], split=False)))
 
 
 def use_fused_moe(model: nn.Module, enabled: bool = True) -> nn.Module:

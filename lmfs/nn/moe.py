@@ -298,7 +298,8 @@ class MoE(nn.Module):
     experts for the per-device balance loss.
 
     After every forward the layer keeps ``aux`` (unweighted ``"balance"`` (Switch),
-    ``"device_balance"`` and ``"z"`` losses, scalars) and ``stats`` (``"load"``: assignments
+    ``"device_balance"`` and ``"z"`` losses, scalars; computed when first read, so a forward
+    whose losses nobody reads does not pay for them) and ``stats`` (``"load"``: assignments
     routed to each expert ``(E,)``; ``"kept"``: those within capacity ``(E,)``; ``"dropped"``:
     assignments over capacity; ``"tokens"``).
     """
@@ -319,7 +320,8 @@ class MoE(nn.Module):
         self.router = Router(d_model, n_experts, top_k, router, bias_rate)
         self.experts = Experts(n_experts, d_model, d_expert, activation)
         self.shared = GatedMLP(d_model, n_shared * d_expert, activation) if n_shared else None
-        self.aux: dict[str, torch.Tensor] = {}
+        self._aux: dict[str, torch.Tensor] | None = {}
+        self._aux_from = None          # what the last forward's losses are computed from, until read
         self.stats: dict[str, torch.Tensor | int] = {}
 
     @property
@@ -341,8 +343,8 @@ class MoE(nn.Module):
         return out.view_as(x)
 
     def drop_over_capacity(self, routing: Routing, N: int):
-        """Apply the capacity, record the statistics and losses; return the kept ``(token, expert,
-        weight)`` assignments."""
+        """Apply the capacity, record the statistics (and what the losses of :attr:`aux` are computed
+        from); return the kept ``(token, expert, weight)`` assignments."""
         E = self.n_experts
         token, expert, weight = routing.token, routing.expert, routing.weight
         load = bin_counts(expert, E)
@@ -359,6 +361,8 @@ class MoE(nn.Module):
             kept = load.clamp(max=C)                                # each expert's first C
         if self.router.kind == "expert_choice":   # "dropped": tokens no expert picked
             dropped = (bin_counts(token, N) == 0).sum()
+        elif C is None:
+            dropped = load.new_zeros(())
         else:
             dropped = load.sum() - kept.sum()
         # Tensors on the layer's device: reading them (int(), .tolist()) is the only host sync.
@@ -366,14 +370,23 @@ class MoE(nn.Module):
         if self.training:
             self.router.load_since_update = self.router.load_since_update.to(load.device) + load
 
-        if routing.probs is None:
-            zero = weight.new_zeros((), dtype=torch.float32)
-            self.aux = {"balance": zero, "device_balance": zero, "z": zero}
-        else:
-            self.aux = {"balance": switch_loss(routing.probs, load),
-                        "device_balance": device_balance_loss(routing.probs, load, self.n_devices),
-                        "z": router_z_loss(routing.logits)}
+        self._aux, self._aux_from = None, (routing.probs, routing.logits, load)
         return token, expert, weight
+
+    @property
+    def aux(self) -> dict[str, torch.Tensor]:
+        """The last forward's balancing losses (class docstring), computed on the first read after it."""
+        if self._aux is None:
+            probs, logits, load = self._aux_from
+            if probs is None:                    # hash routing: no router, nothing to balance
+                zero = load.new_zeros((), dtype=torch.float32)
+                self._aux = {"balance": zero, "device_balance": zero, "z": zero}
+            else:
+                self._aux = {"balance": switch_loss(probs, load),
+                             "device_balance": device_balance_loss(probs, load, self.n_devices),
+                             "z": router_z_loss(logits)}
+            self._aux_from = None
+        return self._aux
 
     def combine_loop(self, x, token, expert, weight):
         """The idea: for each expert, gather its tokens, run it, add the weighted outputs back."""
