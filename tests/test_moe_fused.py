@@ -164,6 +164,7 @@ def test_fused_router_matches_the_router_with_its_losses(kind, N, d, E, k, losse
         results.append((r, xg.grad, router.proj.weight.grad.clone()))
     (got, gx, gw), (want, wx, ww) = results[1], results[0]
     assert torch.equal(got.token, want.token) and torch.equal(got.expert, want.expert)
+    assert torch.equal(got.load, torch.bincount(want.expert, minlength=E))   # counted by the kernel
     for name in ("weight", "probs", "logits"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-6, rtol=1e-5, msg=name)
     torch.testing.assert_close(gx, wx, atol=1e-6, rtol=1e-5)

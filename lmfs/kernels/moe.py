@@ -156,12 +156,12 @@ def moe_up_dx_kernel(dg_ptr, du_ptr, wg_ptr, wu_ptr, dx_ptr, offsets_ptr, N, K, 
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, slot_pos_ptr, base_ptr, out_ptr, T, D, SLOTS: tl.constexpr, HAS_BASE: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def moe_combine_kernel(y_ptr, slot_pos_ptr, base_ptr, out_ptr, T, D, stride_st, stride_sj, SLOTS: tl.constexpr,
+                       HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[t] = base[t] + Σ_j y[slot_pos[t, j]]`` for a tile of BLOCK_T tokens × BLOCK_D columns;
     slots with ``slot_pos = -1`` add nothing, and without ``HAS_BASE`` there is no ``base`` term.
-    y: (A, D), base and out: (T, D), slot_pos (int32): (T, SLOTS); all contiguous, base in any
-    float dtype. Sums in float32.
+    y: (A, D), base and out: (T, D), contiguous, base in any float dtype; slot_pos (int32): (T, SLOTS)
+    with strides ``stride_st``, ``stride_sj``. Sums in float32.
 
     The loop over slots is unrolled, so the SLOTS row loads of every token of the tile are issued
     before the first one is needed: a gather of scattered rows is bound by how many loads are in
@@ -177,7 +177,7 @@ def moe_combine_kernel(y_ptr, slot_pos_ptr, base_ptr, out_ptr, T, D, SLOTS: tl.c
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(SLOTS):
-        pos = tl.load(slot_pos_ptr + tokens * SLOTS + j, mask=tok_ok, other=-1)
+        pos = tl.load(slot_pos_ptr + tokens * stride_st + j * stride_sj, mask=tok_ok, other=-1)
         used = pos >= 0
         acc += tl.load(y_ptr + pos.to(tl.int64)[:, None] * D + cols[None, :], mask=used[:, None] & col_ok[None, :],
                        other=0.0).to(tl.float32)
@@ -185,7 +185,7 @@ def moe_combine_kernel(y_ptr, slot_pos_ptr, base_ptr, out_ptr, T, D, SLOTS: tl.c
 
 
 @triton.jit
-def moe_router_kernel(x_ptr, w_ptr, logits_ptr, probs_ptr, weight_ptr, expert_ptr, token_ptr, N, D, E,
+def moe_router_kernel(x_ptr, w_ptr, logits_ptr, probs_ptr, weight_ptr, expert_ptr, token_ptr, load_ptr, N, D, E,
                       TOP_K: tl.constexpr, TOPK_THEN_SOFTMAX: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_K: tl.constexpr):
@@ -195,7 +195,8 @@ def moe_router_kernel(x_ptr, w_ptr, logits_ptr, probs_ptr, weight_ptr, expert_pt
     first among equal logits) with their weights: the chosen probabilities, or with
     ``TOPK_THEN_SOFTMAX`` a softmax over the chosen logits. Stores logits and probs (N, E) and the
     weights, experts and tokens choice-major, ``(TOP_K, N)``: the order of
-    :func:`~lmfs.nn.moe._token_choice`."""
+    :func:`~lmfs.nn.moe._token_choice`; adds this tile's assignments per expert to ``load`` (E,)
+    int64 (zeros beforehand)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < N
     es = tl.arange(0, BLOCK_E)
@@ -221,13 +222,17 @@ def moe_router_kernel(x_ptr, w_ptr, logits_ptr, probs_ptr, weight_ptr, expert_pt
     ks = tl.arange(0, BLOCK_K)
     chosen = tl.full([BLOCK_T, BLOCK_K], float("-inf"), tl.float32)
     vals = logits
+    count = tl.zeros([BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(vals, axis=1)
         idx = tl.min(tl.where(vals == best[:, None], es[None, :], BLOCK_E), axis=1)
         tl.store(expert_ptr + j * N + rows, idx.to(tl.int64), mask=row_ok)
         tl.store(token_ptr + j * N + rows, rows.to(tl.int64), mask=row_ok)
         chosen = tl.where(ks[None, :] == j, best[:, None], chosen)
-        vals = tl.where(es[None, :] == idx[:, None], float("-inf"), vals)
+        hit = es[None, :] == idx[:, None]
+        count += tl.sum(tl.where(hit & row_ok[:, None], 1, 0), axis=0)
+        vals = tl.where(hit, float("-inf"), vals)
+    tl.atomic_add(load_ptr + es, count.to(tl.int64), mask=e_ok, sem="relaxed")
     if TOPK_THEN_SOFTMAX:
         weight = tl.exp(chosen - top[:, None])   # the first choice is the largest logit
         weight = weight / tl.sum(weight, axis=1)[:, None]
@@ -374,8 +379,8 @@ def _combine(y: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype,
         base = base.contiguous()
     if tokens:
         grid = triton.cdiv(tokens, _COMBINE_BLOCKS["BLOCK_T"]), triton.cdiv(y.shape[1], _COMBINE_BLOCKS["BLOCK_D"])
-        moe_combine_kernel[grid](y, slot_pos, out if base is None else base, out, tokens, y.shape[1], slots,
-                                 HAS_BASE=base is not None, **_COMBINE_BLOCKS)
+        moe_combine_kernel[grid](y, slot_pos, out if base is None else base, out, tokens, y.shape[1],
+                                 *slot_pos.stride(), slots, HAS_BASE=base is not None, **_COMBINE_BLOCKS)
     return out
 
 
@@ -441,16 +446,17 @@ class _FusedExperts(torch.autograd.Function):
 # left out); bf16 activations are exact in TF32. On the FMA units ("ieee") the forward's product
 # took 183 µs at the benchmark's shape (16,384 tokens, d_model 1024, 64 experts, one H200).
 _ROUTER_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
+_ROUTER_DX_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
 _ROUTER_DW_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
 _ROUTER_DW_PROGRAMS = 4 if INTERPRET else 256   # about how many programs the weight gradient splits into
 ROUTER_PRECISION = "ieee" if INTERPRET else "tf32x3"
 
 
 class _FusedRouter(torch.autograd.Function):
-    """``_FusedRouter.apply(x, w, top_k, topk_then_softmax)`` -> ``(weight, expert, token, probs, logits)``:
+    """``_FusedRouter.apply(x, w, top_k, topk_then_softmax)`` -> ``(weight, expert, token, probs, logits, load)``:
     :class:`~lmfs.nn.moe.Router`'s ``"softmax_topk"`` / ``"topk_softmax"`` routing in one kernel
     (:func:`moe_router_kernel`); weight, expert and token (A,) choice-major, probs and logits (N, E)
-    float32.
+    float32, load (E,) the assignments per expert.
     The backward takes the gradients of the weights and, where the balancing losses were used, of
     probs and logits, and returns x's and w's: ``dlogits`` from the softmax's (and top-k's) Jacobian
     and ``dx = dlogits · W`` in one kernel, ``dW = dlogitsᵀ · x`` in another (split over the tokens),
@@ -462,25 +468,26 @@ class _FusedRouter(torch.autograd.Function):
         logits, probs = (torch.empty(N, E, device=x.device, dtype=torch.float32) for _ in range(2))
         weight = torch.empty(top_k, N, device=x.device, dtype=torch.float32)
         expert, token = (torch.empty(top_k, N, device=x.device, dtype=torch.int64) for _ in range(2))
+        load = torch.zeros(E, device=x.device, dtype=torch.int64)
         if N:
             grid = (triton.cdiv(N, _ROUTER_BLOCKS["BLOCK_T"]),)
-            moe_router_kernel[grid](x, w, logits, probs, weight, expert, token, N, D, E, top_k, topk_then_softmax,
+            moe_router_kernel[grid](x, w, logits, probs, weight, expert, token, load, N, D, E, top_k, topk_then_softmax,
                                     ROUTER_PRECISION, BLOCK_E=max(16, triton.next_power_of_2(E)),
                                     BLOCK_K=triton.next_power_of_2(top_k), **_ROUTER_BLOCKS)
         ctx.save_for_backward(x, w, probs, weight, expert)
         ctx.topk_then_softmax = topk_then_softmax
-        ctx.mark_non_differentiable(expert, token)
-        return weight.view(-1), expert.view(-1), token.view(-1), probs, logits
+        ctx.mark_non_differentiable(expert, token, load)
+        return weight.view(-1), expert.view(-1), token.view(-1), probs, logits, load
 
     @staticmethod
-    def backward(ctx, d_weight, _expert, _token, d_probs, d_logits):
+    def backward(ctx, d_weight, _expert, _token, d_probs, d_logits, _load):
         x, w, probs, weight, expert = ctx.saved_tensors
         (N, D), E, k = x.shape, w.shape[0], weight.shape[0]
         dlogits = torch.empty_like(probs)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dx = torch.empty_like(x) if need_dx else None
         if N:
-            blocks, block_e = _ROUTER_BLOCKS, max(16, triton.next_power_of_2(E))
+            blocks, block_e = _ROUTER_DX_BLOCKS, max(16, triton.next_power_of_2(E))
             inputs = [t.contiguous() if t is not None else probs for t in (d_weight, d_probs, d_logits)]
             moe_router_dx_kernel[(triton.cdiv(N, blocks["BLOCK_T"]),)](
                 probs, weight, expert, *inputs, w, dlogits, dlogits if dx is None else dx, N, D, E, k,
@@ -505,9 +512,9 @@ def fused_routing(router, x: torch.Tensor) -> Routing:
     k = router.top_k
     check_tensors("fused_routing", x=x)
     check_tensors("fused_routing", weight=router.proj.weight)
-    weight, expert, token, probs, logits = _FusedRouter.apply(x.contiguous(), router.proj.weight, k,
-                                                              router.kind == "topk_softmax")
-    return Routing(token, expert, weight, probs, logits)
+    weight, expert, token, probs, logits, load = _FusedRouter.apply(x.contiguous(), router.proj.weight, k,
+                                                                    router.kind == "topk_softmax")
+    return Routing(token, expert, weight, probs, logits, load)
 
 
 def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, n_tokens: int, n_experts: int,
@@ -522,7 +529,8 @@ def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, 
     choice). Boundaries come from ``searchsorted`` on the sorted keys rather than ``bincount``,
     which on a GPU reads the largest key back to the host and so waits for the GPU. With
     ``choice_major``, assignment ``j·tokens + t`` is token ``t``'s ``j``-th (token choice with
-    nothing dropped, the order of :func:`~lmfs.nn.moe._token_choice`): the slots need no sort."""
+    nothing dropped, the order of :func:`~lmfs.nn.moe._token_choice`): the slots need no sort, and
+    ``slot_pos`` is a transposed view of the sorted positions."""
     A, device = token.shape[0], token.device
     # A radix sort makes one pass per 8 bits of its keys, and the ids come as int64: sort the
     # smallest integer type that holds every expert id and the end of the last group.
@@ -535,7 +543,7 @@ def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, 
     if choice_major:
         if A != n_tokens * slots:
             raise ValueError(f"slot_table: choice_major needs tokens·slots = {n_tokens * slots} assignments, got {A}")
-        return token[order], offsets, position.view(slots, n_tokens).T.contiguous(), weight.float().gather(0, order)
+        return token[order], offsets, position.view(slots, n_tokens).T, weight.float().gather(0, order)
     by_token = torch.argsort(token.to(torch.int32), stable=True)        # assignments grouped by token
     owner = token[by_token]
     slot = torch.arange(A, device=device) - torch.searchsorted(owner, owner)  # rank within its token

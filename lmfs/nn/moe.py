@@ -102,13 +102,15 @@ def bin_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
 class Routing:
     """Where tokens go: assignment ``a`` sends token ``token[a]`` to expert ``expert[a]`` with
     weight ``weight[a]`` (each ``(A,)``). ``probs`` ``(N, E)`` and ``logits`` ``(N, E)`` feed the
-    balancing losses (None for hash routing, which has no router)."""
+    balancing losses (None for hash routing, which has no router). ``load`` ``(E,)``: assignments
+    per expert, where the router counted them already (else the layer counts them)."""
 
     token: torch.Tensor
     expert: torch.Tensor
     weight: torch.Tensor
     probs: torch.Tensor | None
     logits: torch.Tensor | None
+    load: torch.Tensor | None = None
 
 
 class Router(nn.Module):
@@ -347,7 +349,7 @@ class MoE(nn.Module):
         from); return the kept ``(token, expert, weight)`` assignments."""
         E = self.n_experts
         token, expert, weight = routing.token, routing.expert, routing.weight
-        load = bin_counts(expert, E)
+        load = bin_counts(expert, E) if routing.load is None else routing.load
         kept = load                                                 # unless the capacity drops some
         C = capacity(N, self.top_k, E, self.capacity_factor)
         if C is not None and self.router.kind != "expert_choice":  # expert choice is capped already
@@ -367,7 +369,7 @@ class MoE(nn.Module):
             dropped = load.sum() - kept.sum()
         # Tensors on the layer's device: reading them (int(), .tolist()) is the only host sync.
         self.stats = {"load": load, "kept": kept, "dropped": dropped, "tokens": N}
-        if self.training:
+        if self.training and self.router.bias_rate:   # what update_bias reads
             self.router.load_since_update = self.router.load_since_update.to(load.device) + load
 
         self._aux, self._aux_from = None, (routing.probs, routing.logits, load)
