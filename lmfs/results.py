@@ -63,6 +63,16 @@ def _peer_of(result: dict, row: dict) -> str:
     return next(r["impl"] for r in result["rows"] if r["part"] == row["part"] and r is not row)
 
 
+def _span(runs: list[dict], key: str, fmt: str) -> str | None:
+    """``low–high`` of ``key`` over ``runs`` (formatted with ``fmt``; one value if they agree), or
+    None where no run has it."""
+    values = sorted(r[key] for r in runs if key in r)
+    if not values:
+        return None
+    low, high = fmt.format(values[0]), fmt.format(values[-1])
+    return low if low == high else f"{low}–{high}"
+
+
 def performance_rows() -> list[str]:
     """One markdown row per performance goal, each computed from a file in ``results/``."""
     rows = []
@@ -110,6 +120,11 @@ def performance_rows() -> list[str]:
                          for name in ("lmfs fused", "lmfs triton", "torch grouped_mm")
                          if f"{name} / HF fastest" in ratios and f"{name} / loop" in ratios)
         text += f" (HF fastest: `{moe.get('hf_fastest', '?')}`)"
+        others = moe.get("other_runs", [])    # the same code run again
+        if others:
+            text += (f"; other runs of the same code: lmfs fused TFLOP/s "
+                     f"{_span(others, 'lmfs fused TFLOP/s / dense', '{:.2f}×')} dense, "
+                     f"{_span(others, 'lmfs fused / HF fastest', '{:.2f}×')} HF")
     rows.append(_row("moe", moe, "per-expert loop; HF Qwen2-MoE block; dense SwiGLU",
                      "≥ 5× loop, ≥ 1.2× HF, ≥ 0.6× dense TFLOP/s", moe and text))
     inference = load_result("inference", quiet=True)
@@ -162,11 +177,7 @@ def performance_rows() -> list[str]:
         others = grpo.get("other_runs", [])   # the same code run again: how far one run is from another
         if others:
             def span(key, fmt):
-                values = sorted(r[key] for r in others if key in r)
-                if not values:
-                    return None
-                low, high = fmt.format(values[0]), fmt.format(values[-1])
-                return low if low == high else f"{low}–{high}"
+                return _span(others, key, fmt)
             ratio = span("ratio", "{:.2f}×")
             text += (f"; other runs of the same code: {span('useful_generation_share', '{:.0%}')} of a step "
                      f"({span('useful_share_of_rollout', '{:.0%}')} of the rollout)"

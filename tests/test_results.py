@@ -101,3 +101,20 @@ def test_grpo_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
     path.write_text(json.dumps(run))
     row = next(r for r in results.performance_rows() if r.startswith("| `grpo`"))
     assert "other runs of the same code: 44% of a step (56%–59% of the rollout), 7.92× TRL's samples/s" in row
+
+
+def test_moe_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
+    from lmfs import results
+
+    (tmp_path / "h200").mkdir()
+    ratios = {"lmfs fused / loop": 21.8, "lmfs fused / HF fastest": 2.4, "lmfs fused TFLOP/s / dense": 0.618}
+    run = {"date": "2026-12-02", "device": "NVIDIA H200", "ratios": ratios, "hf_fastest": "HF grouped_mm"}
+    path = tmp_path / "h200" / "moe.json"
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    path.write_text(json.dumps(run))
+    row = next(r for r in results.performance_rows() if r.startswith("| `moe`"))
+    assert "lmfs fused: 21.8× loop, 2.40× HF, TFLOP/s 0.62× dense" in row and "other runs" not in row
+    run["other_runs"] = [{"lmfs fused TFLOP/s / dense": 0.543, "lmfs fused / HF fastest": 2.11}]
+    path.write_text(json.dumps(run))
+    row = next(r for r in results.performance_rows() if r.startswith("| `moe`"))
+    assert "other runs of the same code: lmfs fused TFLOP/s 0.54× dense, 2.11× HF" in row

@@ -445,10 +445,12 @@ class _FusedExperts(torch.autograd.Function):
 # remainder and three products are summed (the remainders' product, below float32's rounding, is
 # left out); bf16 activations are exact in TF32. On the FMA units ("ieee") the forward's product
 # took 183 µs at the benchmark's shape (16,384 tokens, d_model 1024, 64 experts, one H200).
+# The tiles are the fastest of six settings timed at the benchmark's shape on an H200 (forward
+# 45 µs, x's gradient 58 µs, the weight's 62 µs).
 _ROUTER_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
-_ROUTER_DX_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
-_ROUTER_DW_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
-_ROUTER_DW_PROGRAMS = 4 if INTERPRET else 256   # about how many programs the weight gradient splits into
+_ROUTER_DX_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 32, "BLOCK_D": 64, "num_warps": 4}
+_ROUTER_DW_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 32, "BLOCK_D": 64, "num_warps": 4}
+_ROUTER_DW_PROGRAMS = 4 if INTERPRET else 512   # about how many programs the weight gradient splits into
 ROUTER_PRECISION = "ieee" if INTERPRET else "tf32x3"
 
 
