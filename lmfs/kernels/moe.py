@@ -310,8 +310,8 @@ def moe_router_dw_kernel(dlogits_ptr, x_ptr, part_ptr, N, D, E, TOKENS_PER_SPLIT
     acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
     for t0 in range(start, end, BLOCK_T):
         t_ok = t0 + ts < end
-        dl = tl.load(dlogits_ptr + (t0 + ts).to(tl.int64)[None, :] * E + es[:, None], mask=e_ok[:, None] & t_ok[None, :],
-                     other=0.0)
+        dl = tl.load(dlogits_ptr + (t0 + ts).to(tl.int64)[None, :] * E + es[:, None],
+                     mask=e_ok[:, None] & t_ok[None, :], other=0.0)
         xt = tl.load(x_ptr + (t0 + ts).to(tl.int64)[:, None] * D + cols[None, :], mask=t_ok[:, None] & col_ok[None, :],
                      other=0.0).to(tl.float32)
         acc = tl.dot(dl, xt, acc, input_precision=PRECISION)
