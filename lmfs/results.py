@@ -176,11 +176,9 @@ def performance_rows() -> list[str]:
                 + f" ({grpo['params'] / 1e6:.2f} M parameters, {grpo['batch']} sequences a step)")
         others = grpo.get("other_runs", [])   # the same code run again: how far one run is from another
         if others:
-            def span(key, fmt):
-                return _span(others, key, fmt)
-            ratio = span("ratio", "{:.2f}×")
-            text += (f"; other runs of the same code: {span('useful_generation_share', '{:.0%}')} of a step "
-                     f"({span('useful_share_of_rollout', '{:.0%}')} of the rollout)"
+            ratio = _span(others, "ratio", "{:.2f}×")
+            text += (f"; other runs of the same code: {_span(others, 'useful_generation_share', '{:.0%}')} of a step "
+                     f"({_span(others, 'useful_share_of_rollout', '{:.0%}')} of the rollout)"
                      + (f", {ratio} TRL's samples/s" if ratio else ""))
     rows.append(_row("grpo", grpo, "TRL `GRPOTrainer` (same exported model, task, batch)",
                      "≥ 70% useful generation, ≥ 2× TRL's samples/s", grpo and text))

@@ -39,8 +39,9 @@
 * **Fused forward** (``fused_decode``): decode steps and prefills may run
   :class:`lmfs.kernels.decode.FusedDecode`, the same forward with the q/k/v and gate/up
   projections merged into one matmul each and about ten kernels a layer (prefill attends over the
-  keys it gathers from the cache, :func:`~lmfs.inference.runner.gathered_attention`). On a GPU a prefill of a few thousand tokens
-  written op by op spends longer launching its ~750 kernels than running them.
+  keys it gathers from the cache, :func:`~lmfs.inference.runner.gathered_attention`). On a GPU a
+  prefill of a few thousand tokens written op by op spends longer launching its ~750 kernels than
+  running them.
 * **Autocast** (``autocast=torch.bfloat16``): every forward (prefill and decode step, fused or
   not, in a CUDA graph or not) runs under ``torch.autocast``, as a training step under autocast
   does, and the KV cache holds that dtype; sampling stays in float32. The weights stay as they
@@ -690,8 +691,7 @@ class LLM:
         positions advanced. Returns the logits ``(B, V)`` and ``(2, B)`` float64 sampled ids and
         their log-probs."""
         with self._autocast():   # inside the step, so that a CUDA graph captures the weights' casts
-            logits = self._forward(self.model, self.cache, self._decode_batch(rows, width),
-                                          self.decode_attention)
+            logits = self._forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
         logits = logits.float()
         greedy = temperatures == 0
         # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,

@@ -67,8 +67,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, row_block, row_warps, tl, triton
 from lmfs.inference.runner import gathered_attention
+from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, row_block, row_warps, tl, triton
 from lmfs.kernels.fused import swiglu
 from lmfs.nn import GatedMLP, Linear, TransformerLM
 from lmfs.nn.layers import RMSNorm

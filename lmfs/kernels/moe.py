@@ -474,7 +474,7 @@ class _FusedRouter(torch.autograd.Function):
         if N:
             grid = (triton.cdiv(N, _ROUTER_BLOCKS["BLOCK_T"]),)
             moe_router_kernel[grid](x, w, logits, probs, weight, expert, token, load, N, D, E, top_k, topk_then_softmax,
-                                    ROUTER_PRECISION, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                                    ROUTER_PRECISION, BLOCK_E=_block_e(E),
                                     BLOCK_K=triton.next_power_of_2(top_k), **_ROUTER_BLOCKS)
         ctx.save_for_backward(x, w, probs, weight, expert)
         ctx.topk_then_softmax = topk_then_softmax
@@ -489,7 +489,7 @@ class _FusedRouter(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dx = torch.empty_like(x) if need_dx else None
         if N:
-            blocks, block_e = _ROUTER_DX_BLOCKS, max(16, triton.next_power_of_2(E))
+            blocks, block_e = _ROUTER_DX_BLOCKS, _block_e(E)
             inputs = [t.contiguous() if t is not None else probs for t in (d_weight, d_probs, d_logits)]
             moe_router_dx_kernel[(triton.cdiv(N, blocks["BLOCK_T"]),)](
                 probs, weight, expert, *inputs, w, dlogits, dlogits if dx is None else dx, N, D, E, k,
@@ -503,7 +503,7 @@ class _FusedRouter(torch.autograd.Function):
             splits = max(1, triton.cdiv(N, per_split))
             part = torch.empty(splits, E, D, device=x.device, dtype=torch.float32)
             moe_router_dw_kernel[(col_tiles, splits)](dlogits, x, part, N, D, E, per_split, ROUTER_PRECISION,
-                                                      BLOCK_E=max(16, triton.next_power_of_2(E)), **_ROUTER_DW_BLOCKS)
+                                                      BLOCK_E=_block_e(E), **_ROUTER_DW_BLOCKS)
             dw = part.sum(0).to(w.dtype) if splits > 1 else part[0].to(w.dtype)
         return dx, dw, None, None
 
@@ -545,12 +545,13 @@ def slot_table(token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor, 
     if choice_major:
         if A != n_tokens * slots:
             raise ValueError(f"slot_table: choice_major needs tokens·slots = {n_tokens * slots} assignments, got {A}")
-        return token[order], offsets, position.view(slots, n_tokens).T, weight.float().gather(0, order)
-    by_token = torch.argsort(token.to(torch.int32), stable=True)        # assignments grouped by token
-    owner = token[by_token]
-    slot = torch.arange(A, device=device) - torch.searchsorted(owner, owner)  # rank within its token
-    slot_pos = torch.full((n_tokens, slots), -1, dtype=torch.int32, device=device)
-    slot_pos[owner, slot] = position[by_token]
+        slot_pos = position.view(slots, n_tokens).T
+    else:
+        by_token = torch.argsort(token.to(torch.int32), stable=True)        # assignments grouped by token
+        owner = token[by_token]
+        slot = torch.arange(A, device=device) - torch.searchsorted(owner, owner)  # rank within its token
+        slot_pos = torch.full((n_tokens, slots), -1, dtype=torch.int32, device=device)
+        slot_pos[owner, slot] = position[by_token]
     # gather, not indexing: its backward is a scatter-add, here one float32 add per element (order
     # is a permutation), where indexing's backward would sort the indices first.
     return token[order], offsets, slot_pos, weight.float().gather(0, order)
