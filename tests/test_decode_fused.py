@@ -15,6 +15,7 @@ from helpers import DEVICE
 
 from lmfs.inference import PagedBatch, PagedKVCache, paged_forward
 from lmfs.inference.kv_cache import paged_attention_reference
+from lmfs.kernels import decode
 from lmfs.kernels.decode import GEMV_MAX_ROWS, FusedDecode, gemv, merge_rows
 from lmfs.kernels.paged_attention import paged_decode_attention
 from lmfs.nn import TransformerConfig, TransformerLM
@@ -97,15 +98,23 @@ def test_fused_decode_with_the_triton_attention_kernel_and_other_variants():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gemv_path_matches(dtype):
-    model = build(dtype)
-    assert_same_step(model, [1, 4, 5, 9, 2], fused=FusedDecode(model, gemv=True))
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_gemv_path_matches(dtype, n_kv_heads, monkeypatch):
+    """The six-kernel GEMV layer (norm + q/k/v + RoPE + cache writes, o + residual, norm + gate/up +
+    SwiGLU, down + residual, norm + head) gives paged_forward's logits and cache, at one row and
+    at several (each a pass over the weights already loaded)."""
+    model = build(dtype, n_kv_heads=n_kv_heads)
+    fused = FusedDecode(model, gemv=True)
+    assert_same_step(model, [7], fused=fused)
+    monkeypatch.setattr(decode, "GEMV_STEP_ROWS", GEMV_MAX_ROWS)   # a step of several rows takes it too
+    assert_same_step(model, [1, 4, 5, 9, 2], fused=fused)
+    assert_same_step(model, [6, 3], fused=fused, logit_rows=torch.tensor([1], device=DEVICE))
+    other = build(dtype, positions="none", logit_softcap=5.0, tie_embeddings=False)   # NoPE, capped, own head
+    assert_same_step(other, [5, 2], fused=FusedDecode(other, gemv=True))
     g = torch.Generator().manual_seed(0)
-    x, w, gu = (torch.randn(s, generator=g).to(DEVICE, dtype) for s in ((3, 40), (37, 40), (3, 80)))
+    x, w = (torch.randn(s, generator=g).to(DEVICE, dtype) for s in ((3, 40), (37, 40)))
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(gemv(x, w), (x.float() @ w.float().T).to(dtype), **tol)
-    swiglu_ref = (torch.nn.functional.silu(gu[:, :40].float()) * gu[:, 40:].float()).to(dtype)
-    torch.testing.assert_close(gemv(gu, w, swiglu_input=True), (swiglu_ref.float() @ w.float().T).to(dtype), **tol)
     with pytest.raises(ValueError, match="at most"):
         gemv(x.new_zeros(GEMV_MAX_ROWS + 1, 40), w)
 
@@ -356,7 +365,8 @@ def test_bf16_copies_in_a_cuda_graph_follow_refresh_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gemv_path", [False, True])
-def test_fused_decode_gpu_llama_widths(gemv_path):
+def test_fused_decode_gpu_llama_widths(gemv_path, monkeypatch):
+    monkeypatch.setattr(decode, "GEMV_STEP_ROWS", GEMV_MAX_ROWS)   # the GEMV path for all of these batches
     torch.manual_seed(0)
     cfg = TransformerConfig(vocab_size=32_000, context_length=2048, d_model=2048, n_layers=2, n_heads=32,
                             n_kv_heads=8, d_ff=8192)
@@ -464,3 +474,46 @@ def test_fused_decode_under_autocast_matches_the_models_forward(n_kv_heads):
     with torch.no_grad():   # and differ from float32 logits beyond fp32 rounding: autocast applied
         fp32 = torch.cat([model(torch.tensor([s], device=device))[0][:, -1] for s in seqs])
     assert (got.float() - fp32).abs().max() > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine's step bookkeeping kernels (lmfs.kernels.engine_step) against the PyTorch lines
+
+
+def test_gather_decode_batch_matches_indexing():
+    from lmfs.kernels.engine_step import gather_decode_batch
+
+    g = torch.Generator().manual_seed(0)
+    R, width, page = 6, 5, 4
+    tables = torch.randint(1, 50, (R, width), generator=g, dtype=torch.int32).to(DEVICE)
+    positions = torch.randint(0, width * page, (R,), generator=g).to(DEVICE)
+    last = torch.randint(0, 100, (R,), generator=g).to(DEVICE)
+    rows = torch.tensor([4, 1, 5, 5], device=DEVICE)   # the last two: padding on one row
+    got = gather_decode_batch(rows, positions, tables, last, page)
+    pos = positions[rows]
+    torch.testing.assert_close(got.positions, pos)
+    torch.testing.assert_close(got.tokens, last[rows])
+    torch.testing.assert_close(got.block_tables, tables[rows])
+    blocks = tables[rows].gather(1, (pos // page)[:, None])[:, 0].long()
+    torch.testing.assert_close(got.slots, blocks * page + pos % page)
+    torch.testing.assert_close(got.seq_lens, (pos + 1).int())
+    assert got.decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_greedy_advance_matches_sample_scaled(dtype):
+    from lmfs.inference.sampling import sample_scaled
+    from lmfs.kernels import engine_step
+
+    g = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(3, 300, generator=g)).to(DEVICE, dtype)
+    logits[1, 17] = logits[1, 250] = logits[1].max() + 1   # a tie: the first index wins, as torch.argmax's
+    rows, dummy = torch.tensor([2, 0, 5], device=DEVICE), 5
+    last, positions = torch.zeros(6, dtype=torch.long, device=DEVICE), torch.arange(6, device=DEVICE) + 10
+    drawn = engine_step.greedy_advance(logits, rows, last, positions, dummy, block_v=128)   # three chunks
+    ids, logprobs = sample_scaled(logits.float(), None, None)
+    assert drawn.dtype == torch.float64 and drawn.shape == (2, 3)
+    assert drawn[0].long().tolist() == ids.tolist() and ids[1] == 17
+    torch.testing.assert_close(drawn[1].float(), logprobs, atol=1e-5, rtol=1e-5)
+    assert last[rows[:2]].tolist() == ids[:2].tolist()
+    assert positions.tolist() == [11, 11, 13, 13, 14, 0]   # rows 2 and 0 advanced, the padding row 5 at 0

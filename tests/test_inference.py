@@ -484,7 +484,7 @@ def test_weights_changed_in_place_are_used_by_the_next_call():
 def test_failed_capture_falls_back_to_decoding_without_graphs(monkeypatch):
     """A decode step that cannot be captured in a CUDA graph decodes without graphs, with a warning
     (the capture is made to fail; on the CPU the plain step then runs as usual)."""
-    def broken_capture(self, size):
+    def broken_capture(self, size, greedy):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(LLM, "_capture", broken_capture)
     model = tiny(n_kv_heads=2)

@@ -248,8 +248,10 @@ class LLM:
         self.decode_attention = self._pick_attention(attention)
         self.cuda_graphs = self._pick_graphs(cuda_graphs)
         self._fused = self._pick_fused(fused_decode)   # built once: it merges the projections' weights
+        self._step_kernels = self._pick_step_kernels()
         self._forward = paged_forward if self._fused is None else self._fused
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, bool], tuple] = {}   # (batch size, all greedy) -> captured step
+        self._filled: dict[tuple[int, bool], dict] = {}    # the batch state each graph's input buffers hold
         self._graph_pool = None
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
@@ -296,6 +298,16 @@ class LLM:
             raise ValueError("cuda_graphs=True needs the model on a CUDA device, and a dense (no MoE, whose "
                              "routing syncs with the host) non-MLA model; use cuda_graphs='auto'")
         return cuda_graphs is not False and self.device.type == "cuda" and capturable
+
+    def _pick_step_kernels(self):
+        """:mod:`lmfs.kernels.engine_step` (the decode step's bookkeeping in two kernels) on a GPU, else None."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            from lmfs.kernels import engine_step
+        except ImportError:
+            return None
+        return engine_step
 
     def _pick_fused(self, fused_decode):
         """The fused forward (:class:`lmfs.kernels.decode.FusedDecode`, decode steps and prefills) for
@@ -596,7 +608,7 @@ class LLM:
             width = None if self.cuda_graphs else max(len(r.blocks) for r in batch)
             logits, drawn = self._decode_step(state, uniforms, width)
             if not state["plain"]:   # filters or penalties: sample from the logits
-                next_ids, logprobs = self._sample(batch, logits)
+                next_ids, logprobs = self._sample(batch, logits.float())
                 self.last_token[state["rows"]] = next_ids
                 drawn = _pack(next_ids, logprobs)
             wait = state["host_tokens"] or not self.overlap
@@ -675,7 +687,11 @@ class LLM:
     def _decode_batch(self, rows: torch.Tensor, width: int | None = None) -> PagedBatch:
         """Everything a decode step needs, gathered on the device from the running ``rows`` ``(B,)``;
         ``width``: the block tables' columns to keep (None: all, the fixed shape a CUDA graph needs;
-        fewer save the reference attention from gathering blocks no sequence has yet)."""
+        fewer save the reference attention from gathering blocks no sequence has yet). On a GPU, at
+        the full width, one kernel (:func:`lmfs.kernels.engine_step.gather_decode_batch`)."""
+        if width is None and self._step_kernels is not None:
+            return self._step_kernels.gather_decode_batch(rows, self.positions, self.tables, self.last_token,
+                                                          self.block_size)
         positions = self.positions[rows]
         tables = self.tables[rows, :width]
         block = tables.gather(1, (positions // self.block_size)[:, None])[:, 0].long()
@@ -692,12 +708,17 @@ class LLM:
         their log-probs."""
         with self._autocast():   # inside the step, so that a CUDA graph captures the weights' casts
             logits = self._forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
+        if uniforms is None and self._step_kernels is not None:   # greedy, on a GPU: draw and advance in one kernel
+            return logits, self._step_kernels.greedy_advance(logits, rows, self.last_token, self.positions, self.dummy)
         logits = logits.float()
-        greedy = temperatures == 0
-        # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,
-        # which a CUDA graph cannot capture
-        processed = logits / temperatures.masked_fill(greedy, 1.0)[:, None]
-        next_ids, logprobs = sample_scaled(processed, greedy, uniforms)
+        if uniforms is None:   # every row greedy: the argmax, log-probs at temperature 1
+            next_ids, logprobs = sample_scaled(logits, None, None)
+        else:
+            greedy = temperatures == 0
+            # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,
+            # which a CUDA graph cannot capture
+            processed = logits / temperatures.masked_fill(greedy, 1.0)[:, None]
+            next_ids, logprobs = sample_scaled(processed, greedy, uniforms)
         self.last_token[rows] = next_ids
         self.positions[rows] += 1
         # padded rows wrote here: keep the dummy row at position 0 (zero_ on a view, since indexing with
@@ -709,32 +730,37 @@ class LLM:
                      width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_step` for the decode batch, whose longest block table has ``width`` blocks (None
         with CUDA graphs): called directly, or replayed from its CUDA graph (which reads the tables'
-        full width)."""
+        full width). A batch of greedy requests only (``uniforms`` None) has graphs of its own, which
+        skip the inverse-CDF draw (an exponential, a cumulative sum and a search over the vocabulary)."""
         B, size = len(state["rows"]), state["size"]
-        if self.cuda_graphs and size not in self._graphs:
+        key = (size, uniforms is None)
+        if self.cuda_graphs and key not in self._graphs:
             try:
-                self._graphs[size] = self._capture(size)
+                self._graphs[key] = self._capture(*key)
+                self._filled.pop(key, None)
             except RuntimeError as err:   # a step that cannot be captured still decodes, only slower
                 warnings.warn(f"capturing the decode step in a CUDA graph failed, decoding without graphs: {err}",
                               stacklevel=2)
                 self.cuda_graphs = False
         if not self.cuda_graphs:
             return self._step(state["rows"], state["padded_temperatures"][:B], uniforms, width)
-        graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn = self._graphs[size]
-        static_rows.copy_(state["padded_rows"])
-        static_temps.copy_(state["padded_temperatures"])
+        graph, static_rows, static_temps, static_uniforms, static_logits, static_drawn = self._graphs[key]
+        if self._filled.get(key) is not state:   # a new batch: into the graph's buffers (the same: there already)
+            static_rows.copy_(state["padded_rows"])
+            static_temps.copy_(state["padded_temperatures"])
+            self._filled[key] = state
         if uniforms is not None:
             static_uniforms[:B].copy_(uniforms)
         graph.replay()
         self.stats["cuda_graphs"] = True
         return static_logits[:B], static_drawn[:, :B]
 
-    def _capture(self, size: int) -> tuple:
-        """Capture :meth:`_step` for ``size`` rows; the graph reads its rows, temperatures and uniforms
-        from static buffers filled before each replay."""
+    def _capture(self, size: int, greedy: bool) -> tuple:
+        """Capture :meth:`_step` for ``size`` rows (all ``greedy``, or not); the graph reads its rows,
+        temperatures and uniforms from static buffers filled before each replay."""
         static_rows = torch.full((size,), self.dummy, dtype=torch.long, device=self.device)
         static_temps = torch.ones(size, device=self.device)
-        static_uniforms = torch.full((size,), 0.5, device=self.device)
+        static_uniforms = None if greedy else torch.full((size,), 0.5, device=self.device)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph, (static_logits, static_drawn) = capture_graph(

@@ -49,6 +49,14 @@ if INTERPRET and type(tl.sum).__name__ != "InterpretedFunction":
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: Whether kernels may be launched with programmatic dependent launch (PDL): a GPU of compute
+#: capability 9.0 or newer and a Triton that has ``gdc_wait``. A kernel launched so
+#: (``launch_pdl=True``) may start while the kernel before it is still running, once that one has
+#: called ``gdc_launch_dependents``; it must call ``gdc_wait`` before it reads anything that kernel
+#: wrote. See :func:`lmfs.kernels.decode.layer_gemv_kernel`.
+PDL_SUPPORTED: bool = (not INTERPRET and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
+                       and torch.cuda.get_device_capability()[0] >= 9)
+
 
 def check_tensors(fn: str, **tensors: torch.Tensor) -> torch.device:
     """Check that the named tensors can go to one of our kernels; return their device.

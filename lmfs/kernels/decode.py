@@ -64,12 +64,15 @@ is captured in a CUDA graph as is. The positions of the batch must be below the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from lmfs.inference.runner import gathered_attention
-from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, row_block, row_warps, tl, triton
+from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, PDL_SUPPORTED, row_block, row_warps, tl, triton
 from lmfs.kernels.fused import swiglu
+from lmfs.kernels.paged_attention import paged_decode_attention
 from lmfs.nn import GatedMLP, Linear, TransformerLM
 from lmfs.nn.layers import RMSNorm
 
@@ -124,6 +127,14 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rope_pair(x1, x2, cos, sin, dtype: tl.constexpr):
+    """``(x1 cos − x2 sin, x2 cos + x1 sin)``, each product and sum rounded to ``dtype`` as
+    ``apply_rope`` rounds them (rotate-half convention: ``x1``, ``x2`` are a head's two halves)."""
+    return (_round(_round(x1 * cos, dtype) - _round(x2 * sin, dtype), dtype),
+            _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype))
+
+
+@triton.jit
 def _rotate(src, cos_ptr, sin_ptr, pos, c, mask, HALF: tl.constexpr, ROTATE: tl.constexpr):
     """One head's two halves from ``src``, rotated by the angles of position ``pos`` (rotate-half
     convention), each product and the sum rounded to the source dtype as ``apply_rope`` rounds."""
@@ -133,8 +144,7 @@ def _rotate(src, cos_ptr, sin_ptr, pos, c, mask, HALF: tl.constexpr, ROTATE: tl.
     if ROTATE:  # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); both halves share the angle
         cos = tl.load(cos_ptr + pos * (2 * HALF) + c, mask=mask, other=0.0).to(dtype).to(tl.float32)
         sin = tl.load(sin_ptr + pos * (2 * HALF) + c, mask=mask, other=0.0).to(dtype).to(tl.float32)
-        x1, x2 = (_round(_round(x1 * cos, dtype) - _round(x2 * sin, dtype), dtype),
-                  _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype))
+        x1, x2 = _rope_pair(x1, x2, cos, sin, dtype)
     return x1, x2
 
 
@@ -168,61 +178,181 @@ def rope_cache_kernel(qkv_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr, q_ptr, k_pt
 
 
 # ----------------------------------------------------------------------------------------------
-# Optional GEMV for a few rows
+# A layer's matrix-vector products for a few rows, with what comes before and after them
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``y = x Wᵀ`` for ``M <= BLOCK_M`` rows: program ``p`` makes output columns ``p·BLOCK_N ..``,
-    reading its ``BLOCK_N`` rows of ``W`` ``(N, K)`` once, ``BLOCK_K`` columns at a time. With
-    ``SWIGLU`` the input is a gate/up output ``(M, 2K)`` and ``x = silu(gate)·up`` is formed on
-    the fly (rounded to its dtype, as :func:`lmfs.kernels.fused.swiglu` stores it)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok, col_ok = rows < M, cols < N
-    x_width = 2 * K if SWIGLU else K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x_off = rows.to(tl.int64)[:, None] * x_width + ks[None, :]
-        x_mask = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + x_off, mask=x_mask, other=0.0)
-        if SWIGLU:
-            g = x.to(tl.float32)
-            u = tl.load(x_ptr + x_off + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if UPCAST:  # the interpreter gets 16-bit arithmetic wrong; a GPU multiplies 16-bit operands
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+def _gemv_input(x_ptr, ids_ptr, emb_ptr, gain, eps, m, ks, k_ok, K, store_x, SOURCE: tl.constexpr):
+    """Row ``m`` of a layer GEMV's input, float32 ``(BLOCK_K,)``. ``SOURCE``: ``"plain"`` reads it
+    from ``x``; ``"norm"`` RMS-normalises the residual row ``x[m]`` and applies the norm's ``gain``
+    (loaded, float32; rounded as :func:`residual_rmsnorm_kernel` rounds); ``"gather"`` is ``"norm"`` on the token
+    embedding ``emb[ids[m]]``, which is also written to ``x[m]`` where ``store_x`` (the first layer
+    starts the residual stream)."""
+    dtype = x_ptr.dtype.element_ty
+    if SOURCE == "gather":
+        token = tl.load(ids_ptr + m).to(tl.int64)
+        x = tl.load(emb_ptr + token * K + ks, mask=k_ok, other=0.0)
+        if store_x:
+            tl.store(x_ptr + m * K + ks, x.to(dtype), mask=k_ok)
+        x = x.to(tl.float32)
+    else:
+        x = tl.load(x_ptr + m * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if SOURCE != "plain":
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+        x = _round(gain * _round(x * rstd, dtype), dtype)
+    return x
 
 
-#: The most rows the GEMV takes (its tile is ``BLOCK_M = 16`` rows, ``tl.dot``'s smallest); more go to cuBLAS.
-GEMV_MAX_ROWS = 16
-# Output columns per program and columns per step: a 16 × 256 strip of 16-bit weights is 8 KB, and
-# four stages of it keep 32 KB a program in flight; 16 columns give q/o (2048 rows) 128 programs,
-# one per SM of an H200, and gate/up 1024. Not measured against other tiles (GPU-only).
-GEMV_BLOCK_N, GEMV_BLOCK_K = (16, 32) if INTERPRET else (16, 256)
+@triton.jit
+def layer_gemv_kernel(x_ptr, ids_ptr, emb_ptr, nw_ptr, eps, w_ptr, y_ptr, N, K, pos_ptr, slots_ptr, cos_ptr, sin_ptr,
+                      k_ptr, v_ptr, M: tl.constexpr, SOURCE: tl.constexpr, EPILOGUE: tl.constexpr,
+                      H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, ROTATE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One matrix-vector product of a decode layer for ``M`` rows (tokens), fused with its
+    neighbours. Program ``p`` owns ``BLOCK_N`` weight rows of ``W`` ``(·, K)`` (two strips of them for
+    the paired epilogues), loads them whole, then computes its outputs for every one of the ``M``
+    input rows (:func:`_gemv_input`: plain, RMS-normed, or gathered from the embeddings and normed).
+    ``EPILOGUE``:
+
+    * ``"store"``: ``y[m, rows] = x·Wᵀ`` (``N`` outputs);
+    * ``"residual"``: ``y[m, rows] += x·Wᵀ``, ``y`` being the residual stream (each program
+      updates only its own columns, so in place is safe);
+    * ``"swiglu"``: strips ``r`` (gate) and ``N + r`` (up) of the merged gate/up weight,
+      ``y[m, r] = silu(gate)·up`` (``N`` = the feed-forward width);
+    * ``"rope"``: the merged q/k/v weight, ``H + 2·KV`` heads of ``2·HALF``; the strips are
+      ``BLOCK_N`` rows of one head's first half and the matching rows of its second half, so RoPE
+      (at position ``pos[m]``) is elementwise between the two. Query heads go to ``y`` ``(M, H, 2·HALF)``,
+      keys (rotated) and values to the paged caches at row ``slots[m]``.
+
+    Every product is rounded where the op-by-op forward stores it (the projection's output, the
+    residual sum, SwiGLU, each RoPE product), so results match :class:`FusedDecode`'s other path.
+
+    ``PDL`` (programmatic dependent launch, Hopper and newer): the kernel lets the next one start
+    launching at once (``gdc_launch_dependents``) and reads its weights (and the norm's gain), which no
+    kernel of the step writes, *before* waiting for the previous kernel to finish (``gdc_wait``); only the
+    activations are read after. In a chain of such kernels each one's weights are on their way
+    while the one before is still finishing: the gap between kernels is filled with useful reads.
+    """
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    r = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPILOGUE == "rope":   # BLOCK_N divides HALF: all of a program's rows are in one head
+        head = (pid * BLOCK_N) // HALF
+        c = r % HALF
+        rows, ok = head * 2 * HALF + c, r < (H + 2 * KV) * HALF
+    else:
+        rows, ok = r, r < N
+    w_mask = ok[:, None] & k_ok[None, :]
+    w1 = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+    if EPILOGUE == "rope":
+        w2 = tl.load(w_ptr + (rows + HALF).to(tl.int64)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+    elif EPILOGUE == "swiglu":
+        w2 = tl.load(w_ptr + (rows + N).to(tl.int64)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+    if SOURCE == "plain":
+        gain = tl.zeros([BLOCK_K], dtype=tl.float32)   # unused
+    else:   # the norm's gain is a weight too
+        gain = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    dtype = w_ptr.dtype.element_ty
+    for m in tl.static_range(M):
+        x = _gemv_input(x_ptr, ids_ptr, emb_ptr, gain, eps, m, ks, k_ok, K, pid == 0, SOURCE)
+        a1 = tl.sum(w1.to(tl.float32) * x[None, :], axis=1)
+        if EPILOGUE == "store":
+            tl.store(y_ptr + m * N + rows, a1.to(y_ptr.dtype.element_ty), mask=ok)
+        elif EPILOGUE == "residual":
+            old = tl.load(y_ptr + m * N + rows, mask=ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * N + rows, (old + _round(a1, dtype)).to(y_ptr.dtype.element_ty), mask=ok)
+        elif EPILOGUE == "swiglu":
+            g = _round(a1, dtype)
+            u = _round(tl.sum(w2.to(tl.float32) * x[None, :], axis=1), dtype)
+            tl.store(y_ptr + m * N + rows, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=ok)
+        else:   # rope
+            x1 = _round(a1, dtype)
+            x2 = _round(tl.sum(w2.to(tl.float32) * x[None, :], axis=1), dtype)
+            if ROTATE:
+                if head < H + KV:   # queries and keys; values are not rotated
+                    pos = tl.load(pos_ptr + m).to(tl.int64)
+                    cos = tl.load(cos_ptr + pos * (2 * HALF) + c, mask=ok, other=0.0).to(dtype).to(tl.float32)
+                    sin = tl.load(sin_ptr + pos * (2 * HALF) + c, mask=ok, other=0.0).to(dtype).to(tl.float32)
+                    x1, x2 = _rope_pair(x1, x2, cos, sin, dtype)
+            if head < H:
+                dst = y_ptr + (m * H + head) * 2 * HALF + c
+                tl.store(dst, x1.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.store(dst + HALF, x2.to(y_ptr.dtype.element_ty), mask=ok)
+            else:   # key head g or value head g − KV, into the caches (slots, KV, 2·HALF) at slots[m]
+                g = head - H
+                row = (tl.load(slots_ptr + m).to(tl.int64) * KV + g % KV) * 2 * HALF + c
+                if g < KV:
+                    tl.store(k_ptr + row, x1.to(k_ptr.dtype.element_ty), mask=ok)
+                    tl.store(k_ptr + row + HALF, x2.to(k_ptr.dtype.element_ty), mask=ok)
+                else:
+                    tl.store(v_ptr + row, x1.to(v_ptr.dtype.element_ty), mask=ok)
+                    tl.store(v_ptr + row + HALF, x2.to(v_ptr.dtype.element_ty), mask=ok)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, swiglu_input: bool = False) -> torch.Tensor:
-    """``x @ w.T`` for ``x`` ``(M, K)`` with ``M <= GEMV_MAX_ROWS`` and ``w`` ``(N, K)``, both
-    contiguous, in one Triton kernel; with ``swiglu_input``, ``x`` is ``(M, 2K)`` = ``[gate, up]`` and
-    the result ``swiglu(x) @ w.T``. Returns ``(M, N)`` in ``x``'s dtype."""
-    M, N, K = x.shape[0], w.shape[0], w.shape[1]
-    if M > GEMV_MAX_ROWS or x.shape[1] != (2 * K if swiglu_input else K):
-        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not match (at most "
-                         f"{GEMV_MAX_ROWS} rows, swiglu_input={swiglu_input})")
-    y = x.new_empty(M, N)
-    gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N),)](
-        x, w, y, M, N, K, SWIGLU=swiglu_input, UPCAST=INTERPRET,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=GEMV_BLOCK_N,
-        BLOCK_K=GEMV_BLOCK_K, num_warps=4, num_stages=4)
+#: The most rows (tokens) the layer GEMVs take: each row is a pass over the weights already loaded.
+GEMV_MAX_ROWS = 8
+#: The most tokens a decode step sends through them. Measured on an H200 (bf16, the 1 B model, 512
+#: tokens of context): 0.72 ms a step at batch 1 against 0.97 ms with cuBLAS, but 1.01 against 0.98
+#: at batch 2 and 1.67 against 1.00 at batch 4.
+GEMV_STEP_ROWS = 1
+#: The widest input they take (a program holds whole weight rows: ``K`` columns each).
+GEMV_MAX_K = 16384
+#: Weight elements a program holds, and its warps, by epilogue (so by matrix: q/k/v "rope", o and
+#: down "residual", gate/up "swiglu", the head "store"). 32,768 16-bit weights are 64 KB, 256 a
+#: thread in four warps. On an H200 (batch 1, the 1 B model, 2,048 or 8,192 columns) whole steps
+#: took 0.69 ms with this tile everywhere, against 0.72-0.86 ms with strips of 4,096-16,384 in
+#: 2, 4 or 8 warps.
+GEMV_TILES = {epilogue: (1024, 4) if INTERPRET else (32768, 4) for epilogue in ("rope", "residual", "swiglu", "store")}
+#: The most pieces the GEMV path's decode attention cuts a context into (batch 1 has few programs
+#: whatever the split; each piece more is one more partial result to merge).
+GEMV_SPLITS = 8
+
+
+def layer_gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, source: str = "plain",
+               epilogue: str = "store", norm: RMSNorm | None = None, ids: torch.Tensor | None = None,
+               emb: torch.Tensor | None = None, rope: dict | None = None, pdl: bool = False) -> None:
+    """Launch :func:`layer_gemv_kernel` for the ``M = x.shape[0]`` rows of ``x`` (all contiguous).
+    ``norm``: the :class:`RMSNorm` for ``source="norm"``/``"gather"`` (with ``ids`` and ``emb`` for the
+    latter). ``rope``: for ``epilogue="rope"``, a dict of ``H``, ``KV``, ``HALF``, ``ROTATE``, ``pos``,
+    ``slots``, ``cos``, ``sin``, ``k_cache``, ``v_cache``. Writes ``y``."""
+    M, K = x.shape
+    if M > GEMV_MAX_ROWS or K > GEMV_MAX_K or w.shape[1] != K:
+        raise ValueError(f"layer_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (at most "
+                         f"{GEMV_MAX_ROWS} rows and {GEMV_MAX_K} columns, w as wide as x)")
+    block_k = triton.next_power_of_2(K)
+    strip, warps = GEMV_TILES[epilogue]
+    block_n = max(1, strip // block_k)
+    if epilogue == "rope":
+        half = rope["HALF"]
+        block_n = min(block_n, half & -half)   # a power of two dividing HALF
+        n_out, n = (rope["H"] + 2 * rope["KV"]) * half, 0
+        extra = (rope["pos"], rope["slots"], rope["cos"], rope["sin"], rope["k_cache"], rope["v_cache"])
+        consts = {k: rope[k] for k in ("H", "KV", "HALF", "ROTATE")}
+    else:
+        n_out = n = y.shape[-1]
+        extra = (x,) * 6   # unread
+        consts = dict(H=1, KV=1, HALF=1, ROTATE=False)
+    if epilogue in ("rope", "swiglu"):
+        block_n = max(1, block_n // 2)   # two strips a program
+    ids = x if ids is None else ids
+    emb = x if emb is None else emb
+    nw, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
+    options = dict(launch_pdl=True) if pdl else {}
+    layer_gemv_kernel[(triton.cdiv(n_out, block_n),)](
+        x, ids, emb, nw, eps, w, y, n, K, *extra, M=M, SOURCE=source, EPILOGUE=epilogue, **consts,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` ``(M, K)`` with ``M <= GEMV_MAX_ROWS`` through :func:`layer_gemv_kernel`
+    (the plain store epilogue). Returns ``(M, N)`` in ``x``'s dtype."""
+    y = x.new_empty(x.shape[0], w.shape[0])
+    layer_gemv(x.contiguous(), w.contiguous(), y)
     return y
 
 
@@ -287,7 +417,7 @@ class FusedDecode:
     that no step casts them; ``weight_copies`` counts the parameters copied so far.
     """
 
-    def __init__(self, model, gemv: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, model, gemv: bool | None = None, dtype: torch.dtype | None = None, pdl: bool | None = None):
         reason = self.supports(model)
         if reason is not None:
             raise ValueError(f"FusedDecode cannot run this model ({reason}); decode it with "
@@ -295,7 +425,12 @@ class FusedDecode:
         if gemv and dtype is not None:
             raise ValueError("FusedDecode(gemv=True) reads the weights in the model's dtype, which autocast does "
                              "not reach; use dtype=None with gemv, or gemv=False")
-        self.gemv, self.dtype = gemv, dtype
+        if pdl and not PDL_SUPPORTED:
+            raise ValueError("FusedDecode(pdl=True) needs a GPU of compute capability 9.0 or newer and a Triton with "
+                             "programmatic dependent launch (triton.language.extra.cuda.gdc_wait); use pdl=None")
+        self.gemv = dtype is None if gemv is None else gemv
+        self.dtype = dtype
+        self.pdl = PDL_SUPPORTED if pdl is None else pdl
         # Per layer (w_qkv, w_o, w_gate_up, w_down), the tensors the matmuls read.
         self._layers: list[tuple[torch.Tensor, ...]] = []
         # With ``dtype``: [parameter, its rows of the copy, the parameter's _version when copied].
@@ -403,15 +538,45 @@ class FusedDecode:
         self.weight_copies += copied
         return copied
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.shape[0] <= GEMV_MAX_ROWS:
-            return gemv(x, w)
-        return x @ w.T
+    def _gemv_fits(self, model, batch) -> bool:
+        """Whether this step takes the GEMV path: asked for, a decode batch of at most
+        :data:`GEMV_STEP_ROWS` tokens, matrices no wider than :data:`GEMV_MAX_K`."""
+        w_qkv, w_o, _, w_down = self._layers[0]
+        return (self.gemv and batch.decode and batch.tokens.shape[0] <= GEMV_STEP_ROWS
+                and max(w_qkv.shape[1], w_o.shape[1], w_down.shape[1]) <= GEMV_MAX_K)
 
-    def _down(self, gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.gemv and gate_up.shape[0] <= GEMV_MAX_ROWS:
-            return gemv(gate_up, w, swiglu_input=True)
-        return swiglu(gate_up) @ w.T
+    def _gemv_step(self, model, cache, batch, decode_attention) -> torch.Tensor:
+        """The decode step in six kernels a layer (:func:`layer_gemv_kernel`): [norm, q/k/v, RoPE, cache
+        writes], attention and its merge, [o, residual add], [norm, gate/up, SwiGLU], [down, residual
+        add]; then [final norm, head]."""
+        cfg, emb = model.config, model.tok_emb.weight
+        N, d = batch.tokens.shape[0], cfg.d_model
+        H, KV, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        x = emb.new_empty(N, d)   # the residual stream
+        q = emb.new_empty(N, H, hd)
+        act = emb.new_empty(N, self._layers[0][3].shape[1])   # the feed-forward width
+        rope = model.blocks[0].attn.rope
+        pdl = self.pdl
+        attend = decode_attention
+        if decode_attention is paged_decode_attention:
+            attend = functools.partial(paged_decode_attention, pdl=pdl, max_splits=GEMV_SPLITS)
+        for layer, (block, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(model.blocks, self._layers)):
+            k_cache, v_cache = cache.k[layer], cache.v[layer]
+            rope_args = dict(H=H, KV=KV, HALF=hd // 2, ROTATE=rope is not None, pos=batch.positions,
+                             slots=batch.slots, cos=rope.cos if rope is not None else x,
+                             sin=rope.sin if rope is not None else x, k_cache=k_cache, v_cache=v_cache)
+            first = dict(source="gather", ids=batch.tokens, emb=emb) if layer == 0 else dict(source="norm")
+            layer_gemv(x, w_qkv, q, epilogue="rope", norm=block.norms[0], rope=rope_args, pdl=pdl, **first)
+            out = attend(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)
+            layer_gemv(out.to(x.dtype).reshape(N, H * hd), w_o, x, epilogue="residual", pdl=pdl)
+            layer_gemv(x, w_gate_up, act, source="norm", epilogue="swiglu", norm=block.norms[1], pdl=pdl)
+            layer_gemv(act, w_down, x, epilogue="residual", pdl=pdl)
+        rows = x if batch.logit_rows is None else x[batch.logit_rows].contiguous()
+        logits = emb.new_empty(rows.shape[0], cfg.vocab_size)
+        layer_gemv(rows, model.head_weight(), logits, source="norm", norm=model.final_norm, pdl=pdl)
+        if cfg.logit_softcap is not None:   # as model.head caps
+            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+        return logits
 
     @torch.no_grad()
     def __call__(self, model, cache, batch, decode_attention) -> torch.Tensor:
@@ -425,6 +590,8 @@ class FusedDecode:
                              f"torch.autocast({emb.device.type!r}, dtype={self.dtype}), or build it with dtype=None")
         if not (emb.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.refresh(model)
+        if self._gemv_fits(model, batch):
+            return self._gemv_step(model, cache, batch, decode_attention)
         cfg = model.config
         N, d = batch.tokens.shape[0], cfg.d_model
         H, KV, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -438,7 +605,7 @@ class FusedDecode:
                 residual_rmsnorm(x, None, block.norms[0], h, ids=batch.tokens, emb=emb)
             else:
                 residual_rmsnorm(x, delta, block.norms[0], h)
-            qkv = self._linear(h, w_qkv)
+            qkv = h @ w_qkv.T
             q = qkv.new_empty(N, H, hd)
             cos, sin = (rope.cos, rope.sin) if rope is not None else (qkv, qkv)   # unread without RoPE
             rope_cache_kernel[(N, H + KV)](qkv, batch.positions, batch.slots, cos, sin, q, k_cache, v_cache, H=H,
@@ -448,13 +615,13 @@ class FusedDecode:
                 out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)   # (N, H, hd)
             else:   # prefill: attention over the keys the batch lists, gathered from the cache
                 out = gathered_attention(block.attn, q, k_cache, v_cache, batch, masks)
-            residual_rmsnorm(x, self._linear(out.to(h.dtype).reshape(N, H * hd), w_o), block.norms[1], h)
-            delta = self._down(self._linear(h, w_gate_up), w_down)
+            residual_rmsnorm(x, out.to(h.dtype).reshape(N, H * hd) @ w_o.T, block.norms[1], h)
+            delta = swiglu(h @ w_gate_up.T) @ w_down.T
         residual_rmsnorm(x, delta, model.final_norm, h)
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
         return model.head(h)
 
 
-__all__ = ["FusedDecode", "residual_rmsnorm", "residual_rmsnorm_kernel", "rope_cache_kernel", "gemv", "gemv_kernel",
-           "merge_rows", "GEMV_MAX_ROWS"]
+__all__ = ["FusedDecode", "residual_rmsnorm", "residual_rmsnorm_kernel", "rope_cache_kernel", "gemv", "layer_gemv",
+           "layer_gemv_kernel", "merge_rows", "GEMV_MAX_ROWS"]

@@ -63,12 +63,18 @@ from lmfs.kernels._triton import INTERPRET, check_tensors, sm_count, tl, triton
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, scale, max_blocks,
                         n_heads, n_kv_heads, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Attention of the ``GROUP`` query heads of KV head ``program_id(0)`` of sequence
     ``program_id(1)`` over split ``program_id(2)`` of its tokens. q is (B, n_heads, HEAD_DIM), caches
     (blocks, PAGE, n_kv_heads, HEAD_DIM), all contiguous. With one split ``out`` is the output
     (B, n_heads, HEAD_DIM); with several it is the float32 partial ``acc``
-    (B, n_heads, NUM_SPLITS, HEAD_DIM) and ``m``, ``l`` (B, n_heads, NUM_SPLITS) are written too."""
+    (B, n_heads, NUM_SPLITS, HEAD_DIM) and ``m``, ``l`` (B, n_heads, NUM_SPLITS) are written too.
+    ``PDL``: launched as a programmatic dependent launch (see :func:`lmfs.kernels.decode.layer_gemv_kernel`);
+    everything it reads may come from the kernel before, so it waits for that one first."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # The KV head varies fastest from one program to the next, so the programs of one sequence run
     # side by side and read its pool blocks together: the heads of a token sit next to each other.
     kv_head = tl.program_id(0)
@@ -127,9 +133,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_pt
 
 @triton.jit
 def paged_decode_merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+                              BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the ``NUM_SPLITS`` partial results of one (sequence, query head), ``program_id(0)`` in
     ``0 .. B·n_heads − 1``: ``Σ acc_s·2^(m_s − M) / Σ l_s·2^(m_s − M)`` with ``M = max m_s``."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, BLOCK_D)
@@ -202,7 +211,8 @@ def choose_splits(batch: int, n_kv_heads: int, max_tokens: int, device: torch.de
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
-                           config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                           config: tuple[int, int, int] | None = None, pdl: bool = False,
+                           max_splits: int | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache; shapes in the module
     docstring. ``scale`` defaults to ``1/sqrt(head_dim)``. Query head ``h`` reads KV head
     ``h // (n_heads // n_kv_heads)``. The sequence's tokens are ``0 .. seq_lens[b] − 1`` (all of them
@@ -211,7 +221,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     each sequence is cut into (a power of two; None: :func:`choose_splits` from the batch size, the
     KV heads, the block table's width and the GPU's SM count). ``config``: ``(BLOCK_S, num_warps,
     num_stages)`` to force (BLOCK_S a power of two ≥ 16; the benchmark compares them); None:
-    :func:`choose_config` from the shapes.
+    :func:`choose_config` from the shapes. ``pdl``: launch both kernels with programmatic dependent
+    launch (Hopper or newer; what :class:`lmfs.kernels.decode.FusedDecode`'s GEMV path does).
+    ``max_splits``: an upper bound on the chosen ``num_splits`` (a power of two).
     """
     device = check_tensors("paged_decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     _check("paged_decode_attention", q, k_cache, v_cache, block_tables, seq_lens)
@@ -225,6 +237,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_tokens = tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_splits(B, n_kv_heads, max_tokens, device)
+        if max_splits is not None:
+            num_splits = max(1, min(num_splits, max_splits))
     elif num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"paged_decode_attention: num_splits={num_splits} must be a power of two (1, 2, 4, ...), "
                          "or None to choose it from the shapes")
@@ -236,6 +250,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     BLOCK_D = max(16, triton.next_power_of_2(head_dim))
+    launch = dict(launch_pdl=True) if pdl else {}
     if num_splits == 1:
         acc = m = l = out  # m and l are not written with one split
     else:
@@ -246,10 +261,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, tables, lens, acc, m, l, scale, tables.shape[1], n_heads, n_kv_heads,
         HEAD_DIM=head_dim, PAGE=block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=BLOCK_D, BLOCK_S=block_s, NUM_SPLITS=num_splits, UPCAST=INTERPRET,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps, num_stages=stages,
+        **launch)
     if num_splits > 1:
         paged_decode_merge_kernel[(B * n_heads,)](acc, m, l, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-                                                  BLOCK_D=BLOCK_D)
+                                                  BLOCK_D=BLOCK_D, PDL=pdl, **launch)
     return out
 
 
