@@ -97,8 +97,7 @@ def test_fused_decode_with_the_triton_attention_kernel_and_other_variants():
     assert_same_step(build(logit_softcap=5.0, rope_theta=500.0), [6, 3])  # the model's own head soft-caps
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("dtype,n_kv_heads", [(torch.float32, 4), (torch.float32, 1), (torch.float16, 2)])
 def test_gemv_path_matches(dtype, n_kv_heads, monkeypatch):
     """The six-kernel GEMV layer (norm + q/k/v + RoPE + cache writes, o + residual, norm + gate/up +
     SwiGLU, down + residual, norm + head) gives paged_forward's logits and cache, at one row and

@@ -1,6 +1,6 @@
 """One decode step: the op-by-op forward against the fused one, each replayed from a CUDA graph.
 
-    python -m lmfs.benchmarks decode_step [--json PATH] [--profile] [--gemv] [--batches 1,8,64]
+    python -m lmfs.benchmarks decode_step [--json PATH] [--profile] [--cublas] [--batches 1,8,64]
 
 On CUDA the model is the inference benchmark's Llama-shaped 1.04 B model in bf16
 (:data:`lmfs.benchmarks.inference.LLAMA_1B`, random weights). For each batch size ``B`` (1, 8 and
@@ -8,8 +8,9 @@ On CUDA the model is the inference benchmark's Llama-shaped 1.04 B model in bf16
 decodes token 512 of every sequence. Two forwards of the same step:
 
 a. **plain**: :func:`lmfs.inference.paged_forward`, the model's modules op by op;
-b. **fused**: :class:`lmfs.kernels.decode.FusedDecode`, about ten kernels a layer (``--gemv``: with
-   its Triton GEMV instead of cuBLAS for the projections).
+b. **fused**: :class:`lmfs.kernels.decode.FusedDecode` as the engine runs it: about ten kernels a
+   layer, and at batch 1 its GEMV path (six kernels a layer, Triton matrix-vector products fused with
+   their neighbours); ``--cublas`` keeps cuBLAS for the projections at every batch size.
 
 Both use the Triton paged attention kernel and are captured in a CUDA graph once; a replay is one
 step (the graph launch included, no Python). Printed per batch size: ms per step, tokens/s, the
@@ -68,7 +69,8 @@ def captured(step, device: torch.device):
     return graph.replay, out
 
 
-def run(device=None, batches=None, gemv: bool = False, profile: bool = False, repeats: int | None = None) -> dict:
+def run(device=None, batches=None, gemv: bool | None = None, profile: bool = False,
+        repeats: int | None = None) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     config, dtype = (LLAMA_1B, torch.bfloat16) if cuda else (TINY, torch.float32)
@@ -84,10 +86,11 @@ def run(device=None, batches=None, gemv: bool = False, profile: bool = False, re
     kv_token = kv_bytes_per_token(config, dtype)
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "dtype": str(dtype).replace("torch.", ""),
-              "params": model.num_params(), "context": context, "block_size": block_size, "gemv": gemv,
+              "params": model.num_params(), "context": context, "block_size": block_size, "gemv": fused.gemv,
               "copy_bandwidth": bandwidth, "weight_bytes": weight_bytes, "rows": []}
     print(f"model {result['params'] / 1e9:.3g} B parameters, {result['dtype']} on {result['device']}; copy bandwidth "
-          f"{bandwidth / 1e9:,.0f} GB/s; context {context}; fused path {'Triton GEMV' if gemv else 'cuBLAS'}")
+          f"{bandwidth / 1e9:,.0f} GB/s; context {context}; fused path "
+          f"{'with the GEMV path at batch 1' if fused.gemv else 'with cuBLAS'}")
     print(f"{'batch':>5} {'plain ms':>9} {'fused ms':>9} {'plain tok/s':>12} {'fused tok/s':>12} "
           f"{'plain/roof':>10} {'fused/roof':>10} {'fused / plain':>13} {'max |Δ logits|':>14}")
     profiles = {}
@@ -134,13 +137,14 @@ def main(argv=None) -> dict:
                                                  "replayed from a CUDA graph: ms/step, tokens/s, roofline fraction")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,64; CPU 1,8)")
-    parser.add_argument("--gemv", action="store_true", help="the fused path with its Triton GEMV instead of cuBLAS")
+    parser.add_argument("--cublas", action="store_true", help="the fused path with cuBLAS at batch 1 too (no GEMV path)")
     parser.add_argument("--repeats", type=int, default=None, help="timed replays (default 50; CPU 1)")
     parser.add_argument("--profile", action="store_true", help="also print the longest kernels of a step of each")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
-    result = run(args.device, batches, gemv=args.gemv, profile=args.profile, repeats=args.repeats)
+    result = run(args.device, batches, gemv=False if args.cublas else None, profile=args.profile,
+                 repeats=args.repeats)
     save_json(result, args.json)
     return result
 
