@@ -31,17 +31,20 @@
   repetition penalties (they read the tokens so far) and MLA (whose decode batches are built on
   the host).
 * **CUDA graphs** (GPU): the whole decode step, forward and sampling, is captured once per padded
-  batch size (powers of two; padded rows read and write a dummy row and the scratch block) and
-  replayed, so a step costs one launch instead of a thousand. A step that cannot be captured
-  decodes without graphs, with a warning. If the weights' storage changes between calls (a new
-  dtype, new tensors), the graphs are captured again; weights updated in place (an optimiser
-  step) are read by the next replay as they are.
+  batch size (1, 2, 4, then steps of 8 or 16: :func:`graph_batch_size`; padded rows read and write
+  a dummy row and the scratch block) and replayed, so a step costs one launch instead of a
+  thousand. Batches of greedy requests only have graphs of their own, whose bookkeeping (gathering
+  the batch; argmax, log-prob and advance) is two kernels (:mod:`lmfs.kernels.engine_step`) instead
+  of about twenty small PyTorch ones (about an eighth of a batch-1 token's time on an H200). A
+  step that cannot be captured decodes without graphs, with a warning. If the weights' storage
+  changes between calls (a new dtype, new tensors), the graphs are captured again; weights updated
+  in place (an optimiser step) are read by the next replay as they are.
 * **Fused forward** (``fused_decode``): decode steps and prefills may run
   :class:`lmfs.kernels.decode.FusedDecode`, the same forward with the q/k/v and gate/up
   projections merged into one matmul each and about ten kernels a layer (prefill attends over the
-  keys it gathers from the cache, :func:`~lmfs.inference.runner.gathered_attention`). On a GPU a
-  prefill of a few thousand tokens written op by op spends longer launching its ~750 kernels than
-  running them.
+  keys it gathers from the cache, :func:`~lmfs.inference.runner.gathered_attention`; batch-1
+  decode steps take its six-kernel GEMV path). On a GPU a prefill of a few thousand tokens written
+  op by op spends longer launching its ~750 kernels than running them.
 * **Autocast** (``autocast=torch.bfloat16``): every forward (prefill and decode step, fused or
   not, in a CUDA graph or not) runs under ``torch.autocast``, as a training step under autocast
   does, and the KV cache holds that dtype; sampling stays in float32. The weights stay as they
