@@ -309,11 +309,11 @@ GEMV_MAX_ROWS = 8
 GEMV_STEP_ROWS = 1
 #: The widest input they take (a program holds whole weight rows: ``K`` columns each).
 GEMV_MAX_K = 16384
-#: Weight elements a program holds, and its warps, by epilogue (so by matrix: q/k/v "rope", o and
-#: down "residual", gate/up "swiglu", the head "store"). 32,768 16-bit weights are 64 KB, 256 a
-#: thread in four warps. On an H200 (batch 1, the 1 B model, 2,048 or 8,192 columns) whole steps
-#: took 0.69 ms with this tile everywhere, against 0.72-0.86 ms with strips of 4,096-16,384 in
-#: 2, 4 or 8 warps.
+#: 16-bit weights a program holds (half as many float32 ones: the same bytes), and its warps, by
+#: epilogue (so by matrix: q/k/v "rope", o and down "residual", gate/up "swiglu", the head "store").
+#: 32,768 16-bit weights are 64 KB, 256 a thread in four warps. On an H200 (batch 1, the 1 B model,
+#: 2,048 or 8,192 columns) whole steps took 0.69 ms with this tile everywhere, against 0.72-0.86 ms
+#: with strips of 4,096-16,384 in 2, 4 or 8 warps.
 GEMV_TILES = {epilogue: (1024, 4) if INTERPRET else (32768, 4) for epilogue in ("rope", "residual", "swiglu", "store")}
 #: The most pieces the GEMV path's decode attention cuts a context into (batch 1 has few programs
 #: whatever the split; each piece more is one more partial result to merge). On an H200 (the 1 B
@@ -336,7 +336,7 @@ def layer_gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, source: str
                          f"{GEMV_MAX_ROWS} rows and {GEMV_MAX_K} columns, w as wide as x)")
     block_k = triton.next_power_of_2(K)
     strip, warps = GEMV_TILES[epilogue]
-    block_n = max(1, strip // block_k)
+    block_n = max(1, strip * 2 // w.element_size() // block_k)   # the strip's bytes, whatever the dtype
     if epilogue == "rope":
         half = rope["HALF"]
         block_n = min(block_n, half & -half)   # a power of two dividing HALF
