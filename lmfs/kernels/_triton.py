@@ -58,6 +58,12 @@ PDL_SUPPORTED: bool = (not INTERPRET and hasattr(getattr(getattr(tl, "extra", No
                        and torch.cuda.get_device_capability()[0] >= 9)
 
 
+def pdl_launch(pdl: bool) -> dict:
+    """The launch options of a kernel launched with PDL (``pdl`` true) or without: ``kernel[grid](...,
+    **pdl_launch(pdl))``."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def check_tensors(fn: str, **tensors: torch.Tensor) -> torch.device:
     """Check that the named tensors can go to one of our kernels; return their device.
 

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfs.inference.runner import gathered_attention
-from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, PDL_SUPPORTED, row_block, row_warps, tl, triton
+from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, PDL_SUPPORTED, pdl_launch, row_block, row_warps, tl, triton
 from lmfs.kernels.fused import swiglu
 from lmfs.kernels.paged_attention import paged_decode_attention
 from lmfs.nn import GatedMLP, Linear, TransformerLM
@@ -352,10 +352,9 @@ def layer_gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, source: str
     ids = x if ids is None else ids
     emb = x if emb is None else emb
     nw, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
-    options = dict(launch_pdl=True) if pdl else {}
     layer_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, ids, emb, nw, eps, w, y, n, K, *extra, M=M, SOURCE=source, EPILOGUE=epilogue, **consts,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **options)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, **pdl_launch(pdl))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -548,7 +547,7 @@ class FusedDecode:
         self.weight_copies += copied
         return copied
 
-    def _gemv_fits(self, model, batch) -> bool:
+    def _gemv_fits(self, batch) -> bool:
         """Whether this step takes the GEMV path: asked for, a decode batch of at most
         :data:`GEMV_STEP_ROWS` tokens, matrices no wider than :data:`GEMV_MAX_K`."""
         w_qkv, w_o, _, w_down = self._layers[0]
@@ -570,11 +569,11 @@ class FusedDecode:
         attend = decode_attention
         if decode_attention is paged_decode_attention:
             attend = functools.partial(paged_decode_attention, pdl=pdl, max_splits=GEMV_SPLITS)
+        rope_args = dict(H=H, KV=KV, HALF=hd // 2, ROTATE=rope is not None, pos=batch.positions, slots=batch.slots,
+                         cos=rope.cos if rope is not None else x, sin=rope.sin if rope is not None else x)
         for layer, (block, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(model.blocks, self._layers)):
             k_cache, v_cache = cache.k[layer], cache.v[layer]
-            rope_args = dict(H=H, KV=KV, HALF=hd // 2, ROTATE=rope is not None, pos=batch.positions,
-                             slots=batch.slots, cos=rope.cos if rope is not None else x,
-                             sin=rope.sin if rope is not None else x, k_cache=k_cache, v_cache=v_cache)
+            rope_args.update(k_cache=k_cache, v_cache=v_cache)
             first = dict(source="gather", ids=batch.tokens, emb=emb) if layer == 0 else dict(source="norm")
             layer_gemv(x, w_qkv, q, epilogue="rope", norm=block.norms[0], rope=rope_args, pdl=pdl, **first)
             out = attend(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)
@@ -600,7 +599,7 @@ class FusedDecode:
                              f"torch.autocast({emb.device.type!r}, dtype={self.dtype}), or build it with dtype=None")
         if not (emb.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.refresh(model)
-        if self._gemv_fits(model, batch):
+        if self._gemv_fits(batch):
             return self._gemv_step(model, cache, batch, decode_attention)
         cfg = model.config
         N, d = batch.tokens.shape[0], cfg.d_model

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lmfs.inference.runner import PagedBatch
-from lmfs.kernels._triton import PDL_SUPPORTED, tl, triton
+from lmfs.kernels._triton import PDL_SUPPORTED, pdl_launch, tl, triton
 
 
 @triton.jit
@@ -113,7 +113,7 @@ def greedy_advance(logits: torch.Tensor, rows: torch.Tensor, last_token: torch.T
     if B:
         greedy_advance_kernel[(B,)](logits.contiguous(), V, rows, last_token, positions, drawn, B, dummy,
                                     BLOCK_V=block_v or min(32768, triton.next_power_of_2(V)), PDL=PDL_SUPPORTED,
-                                    num_warps=8, **({"launch_pdl": True} if PDL_SUPPORTED else {}))
+                                    num_warps=8, **pdl_launch(PDL_SUPPORTED))
     return drawn
 
 

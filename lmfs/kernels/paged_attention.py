@@ -56,7 +56,7 @@ import math
 
 import torch
 
-from lmfs.kernels._triton import INTERPRET, check_tensors, sm_count, tl, triton
+from lmfs.kernels._triton import INTERPRET, check_tensors, pdl_launch, sm_count, tl, triton
 
 
 @triton.jit
@@ -250,7 +250,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     BLOCK_D = max(16, triton.next_power_of_2(head_dim))
-    launch = dict(launch_pdl=True) if pdl else {}
     if num_splits == 1:
         acc = m = l = out  # m and l are not written with one split
     else:
@@ -262,10 +261,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, PAGE=block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=BLOCK_D, BLOCK_S=block_s, NUM_SPLITS=num_splits, UPCAST=INTERPRET,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=warps, num_stages=stages,
-        **launch)
+        **pdl_launch(pdl))
     if num_splits > 1:
         paged_decode_merge_kernel[(B * n_heads,)](acc, m, l, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-                                                  BLOCK_D=BLOCK_D, PDL=pdl, **launch)
+                                                  BLOCK_D=BLOCK_D, PDL=pdl, **pdl_launch(pdl))
     return out
 
 
