@@ -14,10 +14,10 @@ from helpers import DEVICE, forward_backward, model_of, randn, tiny
 import lmfs.kernels.fused as fused
 import lmfs.kernels.loss as loss_module
 from lmfs.kernels import INTERPRET, linear_cross_entropy
-from lmfs.kernels.fused import (ChunkedLossLM, FusedAttention, FusedGatedMLP, FusedRMSNorm, fuse_model, fused_linear,
-                                rope_qkv, swiglu)
+from lmfs.kernels.fused import (ChunkedLossLM, FusedAttention, FusedEmbedding, FusedGatedMLP, FusedRMSNorm, fuse_model,
+                                fused_linear, rope_qkv, swiglu)
 from lmfs.kernels.loss import _LinearCrossEntropy, cross_entropy_rows
-from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, RMSNorm, TransformerConfig, TransformerLM
+from lmfs.nn import CausalSelfAttention, Embedding, GatedMLP, Linear, RMSNorm, TransformerConfig, TransformerLM
 from lmfs.nn.positions import apply_rope, rope_angles
 
 
@@ -98,6 +98,20 @@ def test_fused_model_in_fp32_is_the_plain_model(overrides, monkeypatch):
     plain, model = twins(tiny(**overrides), chunked_loss=False, norms=True)  # FusedRMSNorm: CUDA only
     idx = tokens()
     torch.testing.assert_close(model(idx, idx)[0], plain(idx, idx)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_fused_embedding_has_the_plain_lookups_gradient(tie):
+    """F.embedding's backward sums repeated ids' rows in another order than the indexed lookup's:
+    the same gradient up to rounding, here with every id repeated many times (a small vocabulary)."""
+    plain, model = twins(tiny(tie_embeddings=tie), projections=False, chunked_loss=False, embedding=True)
+    assert type(model.tok_emb) is FusedEmbedding and type(plain.tok_emb) is Embedding
+    idx = tokens(B=4, T=16, vocab=5)
+    loss, expected = model(idx, idx)[1], plain(idx, idx)[1]
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    assert_grads_close(grads_of(loss, model), grads_of(expected, plain), atol=1e-5, rtol=1e-5)
+    fuse_model(model, projections=False, chunked_loss=False)
+    assert type(model.tok_emb) is Embedding
 
 
 @pytest.mark.parametrize("bias", [False, True])

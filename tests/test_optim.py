@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lmfs.optim import (SGD, AdaGrad, Adam, AdamW, as_lr_lambda, clip_grad_norm, cosine_with_warmup,
+from lmfs.optim import (SGD, AdaGrad, Adam, AdamW, adam_state_for, as_lr_lambda, clip_grad_norm, cosine_with_warmup,
                         warmup_stable_decay)
 
 
@@ -51,6 +51,31 @@ def test_optimizer_matches_torch(ours, theirs, kwargs):
     for g, w, p0 in zip(got, want, before):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
         assert not torch.equal(g, p0)  # the parameters did move
+
+
+@pytest.mark.parametrize("first,second", [(AdamW, torch.optim.AdamW), (torch.optim.AdamW, AdamW),
+                                          (Adam, torch.optim.Adam)], ids=case_id)
+def test_adam_state_moves_between_ours_and_torchs(first, second):
+    """Three steps of one, its state dict into the other, two more steps: the same parameters as
+    five steps of one optimizer throughout (the moments and the bias correction's step carry over)."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    a, b = small_model(), small_model()
+    want = run(a, first(a.parameters(), **kwargs), steps=5)
+    opt = first(b.parameters(), **kwargs)
+    run(b, opt, steps=3)
+    other = second(b.parameters(), **kwargs)
+    other.load_state_dict(adam_state_for(other, copy.deepcopy(opt.state_dict())))
+    data = torch.Generator().manual_seed(1)
+    for step in range(5):       # the same batches as run()'s steps 4 and 5
+        x, y = torch.randn(16, 6, generator=data), torch.randn(16, 3, generator=data)
+        if step >= 3:
+            other.zero_grad()
+            torch.nn.functional.mse_loss(b(x), y).backward()
+            other.step()
+    for g, w in zip(b.parameters(), want):
+        torch.testing.assert_close(g.detach(), w, atol=1e-6, rtol=1e-6)
+    sgd = torch.optim.SGD(b.parameters(), lr=0.1)
+    assert adam_state_for(sgd, sgd.state_dict()) == sgd.state_dict()   # not an Adam: as it is
 
 
 def test_optimizer_skips_params_without_grad_and_supports_groups():

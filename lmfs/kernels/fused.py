@@ -23,6 +23,12 @@ dict, the same loss and gradients up to rounding):
   norm's chain of elementwise kernels each way, whose backward (``MulBackward0``,
   ``PowBackward0``) led a GPU profile of the GRPO update. Only where the kernel computes the plain
   module's function in the plain module's dtype (:func:`norm_kernel_applies`).
+* ``embedding`` (off unless asked for): the token embedding becomes :class:`FusedEmbedding`, a
+  lookup through ``F.embedding``. The plain ``weight[ids]``'s backward is an indexed accumulate
+  that adds the gradients of repeated ids one after another; ``F.embedding``'s sorts the ids and
+  sums each id's rows in parallel pieces. With a small vocabulary nearly every id repeats
+  thousands of times: in the GRPO update (262 ids, 72k tokens) the indexed backward took 7.4 ms
+  of an H200's 46 ms of kernels.
 
 SDPA's kernel can be chosen too, for a whole forward pass: :func:`prefer_sdpa_backend`.
 
@@ -74,7 +80,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lmfs.kernels._triton import INTERPRET, check_tensors, tl, triton
 from lmfs.kernels.loss import linear_cross_entropy
 from lmfs.kernels.rmsnorm import MAX_COLS, rms_norm
-from lmfs.nn import CausalSelfAttention, GatedMLP, Linear, RMSNorm, TransformerLM
+from lmfs.nn import CausalSelfAttention, Embedding, GatedMLP, Linear, RMSNorm, TransformerLM
 from lmfs.nn.positions import rope_angles
 
 
@@ -395,6 +401,15 @@ class FusedRMSNorm(RMSNorm):
         return super().forward(x)
 
 
+class FusedEmbedding(Embedding):
+    """:class:`~lmfs.nn.Embedding` through ``F.embedding``: the same lookup, whose backward sums
+    the gradient rows of repeated ids in parallel (module docstring). Made by :func:`fuse_model`
+    with ``embedding``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class ChunkedLossLM(TransformerLM):
     """:class:`~lmfs.nn.TransformerLM` whose loss never keeps the logits: with targets,
     ``forward`` returns ``(None, loss)``, the head and the loss computed chunk by chunk by
@@ -415,7 +430,7 @@ class ChunkedLossLM(TransformerLM):
 
 
 def fuse_model(model: TransformerLM, *, projections: bool = True, triton: bool = True,
-               chunked_loss: bool = True, norms: bool = False) -> TransformerLM:
+               chunked_loss: bool = True, norms: bool = False, embedding: bool = False) -> TransformerLM:
     """Make a built ``model`` compute faster, in place, and return it (see the module docstring).
 
     ``projections``: attention and gated MLPs become :class:`FusedAttention` and
@@ -425,7 +440,8 @@ def fuse_model(model: TransformerLM, *, projections: bool = True, triton: bool =
     the model becomes a :class:`ChunkedLossLM`. ``norms``: every :class:`~lmfs.nn.RMSNorm` (the
     blocks' and the final one, QK-norm's, MLA's latent norm) becomes a :class:`FusedRMSNorm`,
     whose Triton kernel runs in training on CUDA tensors (:func:`norm_kernel_applies`), with or
-    without autocast; ``False`` turns them back. Only the class of each module changes, so
+    without autocast; ``False`` turns them back. ``embedding``: the token embedding becomes a
+    :class:`FusedEmbedding`; ``False`` turns it back. Only the class of each module changes, so
     parameters, buffers, state-dict keys, an optimizer built on ``model.parameters()`` and the
     function computed all stay.
     """
@@ -440,6 +456,8 @@ def fuse_model(model: TransformerLM, *, projections: bool = True, triton: bool =
             module.triton = triton
         elif type(module) in (RMSNorm, FusedRMSNorm):
             module.__class__ = FusedRMSNorm if norms else RMSNorm
+        elif type(module) in (Embedding, FusedEmbedding):
+            module.__class__ = FusedEmbedding if embedding else Embedding
     if type(model) in (TransformerLM, ChunkedLossLM):
         model.__class__ = ChunkedLossLM if chunked_loss else TransformerLM
         model.triton = triton

@@ -154,3 +154,35 @@ class AdamW(Adam):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# Per-parameter state names of the same Adam quantities: ours and torch.optim.Adam/AdamW's.
+_ADAM_NAMES = {"m": "exp_avg", "v": "exp_avg_sq"}
+
+
+def adam_state_for(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` of an Adam or AdamW, ours or ``torch.optim``'s, renamed for ``optimizer``.
+
+    The two keep the same moments under other names (``m``/``v`` and ``exp_avg``/``exp_avg_sq``)
+    and the step as an int or a tensor, so a checkpoint written by one resumes the other (e.g. a
+    run that stepped torch's fused AdamW on a GPU, resumed on a CPU with ours). A torch optimizer
+    keeps its own switches (``fused``, ``foreach``, ...) where the saved groups lack them. Other
+    optimizers' state dicts are returned as they are.
+    """
+    ours = isinstance(optimizer, Adam)
+    if not (ours or isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):
+        return state_dict
+    names = {v: k for k, v in _ADAM_NAMES.items()} if ours else _ADAM_NAMES
+    state = {}
+    for index, entry in state_dict["state"].items():
+        entry = {names.get(key, key): value for key, value in entry.items()}
+        if "step" in entry:
+            step = entry["step"]
+            entry["step"] = int(step) if ours else torch.as_tensor(step, dtype=torch.float32)
+        state[index] = entry
+    groups = [dict(saved) for saved in state_dict["param_groups"]]
+    if not ours:
+        for saved, current in zip(groups, optimizer.state_dict()["param_groups"]):
+            for key, value in current.items():
+                saved.setdefault(key, value)
+    return {"state": state, "param_groups": groups}

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lmfs.optim import adam_state_for
+
 FORMAT = "lmfs-checkpoint-1"
 
 
@@ -119,5 +121,5 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None:
         if ckpt["optimizer"] is None:
             raise ValueError(f"{path} was saved without optimizer state: load it with optimizer=None")
-        optimizer.load_state_dict(ckpt["optimizer"])
+        optimizer.load_state_dict(adam_state_for(optimizer, ckpt["optimizer"]))   # ours <-> torch.optim's Adam
     return ckpt
