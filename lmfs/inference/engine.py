@@ -365,7 +365,7 @@ class LLM:
         per prompt, in order. A bad request (empty, too long, never fits the KV budget) gets
         ``finish_reason="error"`` and the others go on."""
         requests = self._requests(prompts, params)
-        for _ in self._run(requests, progress):
+        for _ in self._run(requests, progress):   # a list of the step's new tokens at a time
             pass
         return [r.output(self.tokenizer) for r in requests]
 
@@ -373,8 +373,9 @@ class LLM:
         """Like :meth:`generate`, yielding ``(request index, token id, text piece)`` as each token is
         produced (the text piece is ``""`` without a tokenizer, or while a character is incomplete)."""
         requests = self._requests(prompts, params)
-        for req, token in self._run(requests, progress):
-            yield req.index, token, _text_piece(req, self.tokenizer)
+        for events in self._run(requests, progress):
+            for req, token in events:
+                yield req.index, token, _text_piece(req, self.tokenizer)
 
     # ------------------------------------------------------------------------------------------
     # Requests and the scheduler
@@ -408,8 +409,10 @@ class LLM:
                     f"{self.allocator.usable}: raise kv_cache_tokens or lower max_tokens")
         return None
 
-    def _run(self, requests: list[_Request], progress) -> Iterator[tuple[_Request, int]]:
-        """Schedule until every request is finished, yielding ``(request, token)`` per new token."""
+    def _run(self, requests: list[_Request], progress) -> Iterator[list[tuple[_Request, int]]]:
+        """Schedule until every request is finished, yielding the ``(request, token)`` pairs of each
+        step's new tokens (one list a step: a rollout of 256 answers of 256 tokens is 65k tokens, and
+        the host's time per token counts)."""
         from tqdm.auto import tqdm
         self.stats = s = self._empty_stats()
         if self.device.type == "cuda":
@@ -433,10 +436,9 @@ class LLM:
                 else:
                     events = self._decode(waiting, running)
                     s["decode_seconds"] += time.perf_counter() - start
-                for req, token in events:
-                    yield req, token
-                    if req.finish_reason is not None:
-                        bar.update(1)
+                yield events
+                if not bar.disable:
+                    bar.update(sum(req.finish_reason is not None for req, _ in events))
         finally:
             bar.close()
             # time-averaged KV memory in use per byte of cached tokens (>= 1)
@@ -504,8 +506,13 @@ class LLM:
             t = int(t)
             r.out.append(t)
             r.logprobs.append(lp)
-            _finish(r, ctx, tokenizer)
             events.append((r, t))
+            # most tokens end nothing: without stop strings that is two cheap checks (r.end is where
+            # the request ends by length), not a call of _finish for every token
+            if ((tokenizer is None or not r.params.stop) and t not in r.params.stop_token_ids
+                    and len(r.prompt) + len(r.out) < r.end):
+                continue
+            _finish(r, ctx, tokenizer)
             if r.finish_reason is not None:
                 done = True
                 if r.device_len <= r.length:   # no step in flight holds it
