@@ -180,7 +180,8 @@ def performance_rows() -> list[str]:
         others = grpo.get("other_runs", [])   # the same code run again: how far one run is from another
         if others:
             ratio = _span(others, "ratio", "{:.2f}×")
-            text += (f"; other runs of the same code: {_span(others, 'useful_generation_share', '{:.0%}')} of a step "
+            text += (f"; other runs (their notes say what differed): "
+                     f"{_span(others, 'useful_generation_share', '{:.0%}')} of a step "
                      f"({_span(others, 'useful_share_of_rollout', '{:.0%}')} of the rollout)"
                      + (f", {ratio} TRL's samples/s" if ratio else ""))
     rows.append(_row("grpo", grpo, "TRL `GRPOTrainer` (same exported model, task, batch)",

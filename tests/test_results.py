@@ -100,7 +100,8 @@ def test_grpo_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
                          {"useful_generation_share": 0.44, "useful_share_of_rollout": 0.56}]   # one without TRL
     path.write_text(json.dumps(run))
     row = next(r for r in results.performance_rows() if r.startswith("| `grpo`"))
-    assert "other runs of the same code: 44% of a step (56%–59% of the rollout), 7.92× TRL's samples/s" in row
+    assert ("other runs (their notes say what differed): 44% of a step (56%–59% of the rollout), 7.92× TRL's "
+            "samples/s") in row
 
 
 def test_moe_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
