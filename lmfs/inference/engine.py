@@ -815,7 +815,7 @@ def graph_batch_size(n: int) -> int:
     the next multiple of 8 up to 256 and of 16 above. Padded rows are wasted work and every size is
     one more graph to capture: a batch of 201 pads to 208 (3% waste) where the next power of two,
     256, would waste 21%, for 35 graphs up to 256 rows instead of 9. (Multiples of 16 above 128
-    padded a GRPO rollout's shrinking batch of 256 by 3.3% of its rows; multiples of 8, by half that.)"""
+    padded the shrinking batch of a GRPO rollout of 256 answers by 3.3% of its rows.)"""
     if n <= 4:
         return 1 << (n - 1).bit_length()
     step = 8 if n <= 256 else 16

@@ -26,9 +26,10 @@ dict, the same loss and gradients up to rounding):
 * ``embedding`` (off unless asked for): the token embedding becomes :class:`FusedEmbedding`, a
   lookup through ``F.embedding``. The plain ``weight[ids]``'s backward is an indexed accumulate
   that adds the gradients of repeated ids one after another; ``F.embedding``'s sorts the ids and
-  sums each id's rows in parallel pieces. With a small vocabulary nearly every id repeats
-  thousands of times: in the GRPO update (262 ids, 72k tokens) the indexed backward took 7.4 ms
-  of an H200's 46 ms of kernels.
+  sums each id's rows in parallel pieces. With a small vocabulary every id repeats hundreds of
+  times, and a right-padded batch repeats its padding id thousands of times: at the ids of a GRPO
+  update (262 ids, 72k tokens, 12k of them padding) the lookup's forward and backward took 8.62 ms
+  on an H200, 0.46 ms through ``F.embedding``.
 
 SDPA's kernel can be chosen too, for a whole forward pass: :func:`prefer_sdpa_backend`.
 
