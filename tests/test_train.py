@@ -355,6 +355,26 @@ def test_checkpoint_roundtrip_and_rng_state(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
 
 
+def test_checkpoint_moves_adam_state_between_ours_and_torchs(tmp_path):
+    """A checkpoint of lmfs.optim.AdamW resumes torch.optim.AdamW (the GRPO trainer steps torch's
+    on a GPU) and back: the moments arrive under the other's names, the step as its type."""
+    model = model_of(tiny())
+    opt = make_optimizer(model, TrainConfig(steps=1, batch_size=1, context_length=8))
+    accumulate_gradients(model, [get_batch(random_tokens(), 2, 8, "cpu")])
+    opt.step()
+    save_checkpoint(tmp_path / "ours.pt", model, opt, 1, None)
+    theirs = torch.optim.AdamW([{"params": group["params"]} for group in opt.param_groups], lr=1e-3)
+    load_checkpoint(tmp_path / "ours.pt", model, theirs)
+    state = opt.state_dict()["state"]
+    for i, entry in theirs.state_dict()["state"].items():
+        assert torch.equal(entry["exp_avg"], state[i]["m"]) and torch.equal(entry["exp_avg_sq"], state[i]["v"])
+        assert float(entry["step"]) == state[i]["step"] == 1
+    save_checkpoint(tmp_path / "theirs.pt", model, theirs, 1, None)
+    ours = make_optimizer(model, TrainConfig(steps=1, batch_size=1, context_length=8))
+    load_checkpoint(tmp_path / "theirs.pt", model, ours)
+    assert all(torch.equal(e["m"], state[i]["m"]) and e["step"] == 1 for i, e in ours.state_dict()["state"].items())
+
+
 def test_rng_state_survives_weights_only_load(tmp_path):
     state = rng_state()
     torch.save(state, tmp_path / "rng.pt")
