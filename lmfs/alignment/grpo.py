@@ -285,9 +285,9 @@ class GRPOTrainer:
         # 16-bit weight copies follow those. Checkpoints of either resume with the other
         # (lmfs.optim.adam_state_for).
         self._torch_optimizer = config.fused_update and self.device.type == "cuda"
-        optimizer = (lambda *a, **k: torch.optim.AdamW(*a, **k, foreach=True)) if self._torch_optimizer else AdamW
-        self.optimizer = optimizer(policy.parameters(), lr=config.lr, betas=config.betas,
-                                   weight_decay=config.weight_decay)
+        hyper = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        self.optimizer = (torch.optim.AdamW(policy.parameters(), **hyper, foreach=True) if self._torch_optimizer
+                          else AdamW(policy.parameters(), **hyper))
         self.stop_ids = tuple(sorted(set(getattr(tokenizer, "special_ids", {}).values())))
         # The engine holds `policy` itself, not a copy: its forward passes read the parameters' own
         # storage. On a GPU the decode step is captured in CUDA graphs, whose replays read from the

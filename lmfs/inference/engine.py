@@ -506,13 +506,8 @@ class LLM:
             t = int(t)
             r.out.append(t)
             r.logprobs.append(lp)
-            events.append((r, t))
-            # most tokens end nothing: without stop strings that is two cheap checks (r.end is where
-            # the request ends by length), not a call of _finish for every token
-            if ((tokenizer is None or not r.params.stop) and t not in r.params.stop_token_ids
-                    and len(r.prompt) + len(r.out) < r.end):
-                continue
             _finish(r, ctx, tokenizer)
+            events.append((r, t))
             if r.finish_reason is not None:
                 done = True
                 if r.device_len <= r.length:   # no step in flight holds it

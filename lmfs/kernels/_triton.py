@@ -19,6 +19,7 @@ last place further off than a GPU's (which rounds to nearest); tests allow for t
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -49,13 +50,16 @@ if INTERPRET and type(tl.sum).__name__ != "InterpretedFunction":
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-#: Whether kernels may be launched with programmatic dependent launch (PDL): a GPU of compute
-#: capability 9.0 or newer and a Triton that has ``gdc_wait``. A kernel launched so
-#: (``launch_pdl=True``) may start while the kernel before it is still running, once that one has
-#: called ``gdc_launch_dependents``; it must call ``gdc_wait`` before it reads anything that kernel
-#: wrote. See :func:`lmfs.kernels.decode.layer_gemv_kernel`.
-PDL_SUPPORTED: bool = (not INTERPRET and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
-                       and torch.cuda.get_device_capability()[0] >= 9)
+@functools.cache
+def pdl_supported() -> bool:
+    """Whether kernels may be launched with programmatic dependent launch (PDL): a GPU of compute
+    capability 9.0 or newer and a Triton that has ``gdc_wait``. A kernel launched so
+    (``launch_pdl=True``) may start while the kernel before it is still running, once that one has
+    called ``gdc_launch_dependents``; it must call ``gdc_wait`` before it reads anything that kernel
+    wrote. See :func:`lmfs.kernels.decode.layer_gemv_kernel`. Asked on first use, not at import:
+    reading the capability starts CUDA."""
+    return (not INTERPRET and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
+            and torch.cuda.get_device_capability()[0] >= 9)
 
 
 def pdl_launch(pdl: bool) -> dict:

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfs.inference.runner import gathered_attention
-from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, PDL_SUPPORTED, pdl_launch, row_block, row_warps, tl, triton
+from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, pdl_launch, pdl_supported, row_block, row_warps, tl, triton
 from lmfs.kernels.fused import swiglu
 from lmfs.kernels.paged_attention import paged_decode_attention
 from lmfs.nn import GatedMLP, Linear, TransformerLM
@@ -434,12 +434,12 @@ class FusedDecode:
         if gemv and dtype is not None:
             raise ValueError("FusedDecode(gemv=True) reads the weights in the model's dtype, which autocast does "
                              "not reach; use dtype=None with gemv, or gemv=False")
-        if pdl and not PDL_SUPPORTED:
+        if pdl and not pdl_supported():
             raise ValueError("FusedDecode(pdl=True) needs a GPU of compute capability 9.0 or newer and a Triton with "
                              "programmatic dependent launch (triton.language.extra.cuda.gdc_wait); use pdl=None")
         self.gemv = dtype is None if gemv is None else gemv
         self.dtype = dtype
-        self.pdl = PDL_SUPPORTED if pdl is None else pdl
+        self.pdl = pdl_supported() if pdl is None else pdl
         # Per layer (w_qkv, w_o, w_gate_up, w_down), the tensors the matmuls read.
         self._layers: list[tuple[torch.Tensor, ...]] = []
         # With ``dtype``: [parameter, its rows of the copy, the parameter's _version when copied].

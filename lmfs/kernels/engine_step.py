@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lmfs.inference.runner import PagedBatch
-from lmfs.kernels._triton import PDL_SUPPORTED, pdl_launch, tl, triton
+from lmfs.kernels._triton import pdl_launch, pdl_supported, tl, triton
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def gather_decode_batch(rows: torch.Tensor, positions: torch.Tensor, tables: tor
     if B:
         gather_decode_batch_kernel[(B,)](rows, positions, tables, last_token, tokens, pos, slots, lens, batch_tables,
                                          width, PAGE=block_size, BLOCK_W=min(1024, triton.next_power_of_2(width)),
-                                         PDL=PDL_SUPPORTED, num_warps=1)
+                                         PDL=pdl_supported(), num_warps=1)
     return PagedBatch(tokens, pos, slots, block_tables=batch_tables, seq_lens=lens)
 
 
@@ -112,8 +112,8 @@ def greedy_advance(logits: torch.Tensor, rows: torch.Tensor, last_token: torch.T
     drawn = torch.empty(2, B, dtype=torch.float64, device=logits.device)
     if B:
         greedy_advance_kernel[(B,)](logits.contiguous(), V, rows, last_token, positions, drawn, B, dummy,
-                                    BLOCK_V=block_v or min(32768, triton.next_power_of_2(V)), PDL=PDL_SUPPORTED,
-                                    num_warps=8, **pdl_launch(PDL_SUPPORTED))
+                                    BLOCK_V=block_v or min(32768, triton.next_power_of_2(V)), PDL=pdl_supported(),
+                                    num_warps=8, **pdl_launch(pdl_supported()))
     return drawn
 
 
