@@ -144,6 +144,24 @@ def test_fused_update_keeps_parameters_and_trains_as_the_plain_modules():
             == [(o.token_ids, o.logprobs) for o in fresh])
 
 
+def test_packed_update_trains_as_the_padded_one():
+    """packed_update computes the update's forward on the sequences packed into one row (no padding):
+    the same rewards, losses and weights as the padded update, over several micro-batches and epochs."""
+    runs = {}
+    for packed in (False, True):
+        model, tok = tiny()
+        torch.manual_seed(5)
+        tr = trainer(model, tok, lr=1e-2, packed_update=packed, micro_batch_size=3, epochs_per_batch=2)
+        tr.train(2)
+        runs[packed] = (tr.history, model.state_dict())
+    assert runs[True][0].reward == runs[False][0].reward
+    assert runs[True][0].loss == pytest.approx(runs[False][0].loss, abs=1e-5)
+    for name, a in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][name], a, atol=1e-5, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="packed_update=True needs fused_update=True"):
+        GRPOConfig(packed_update=True, fused_update=False)
+
+
 def test_micro_batches_sort_by_length_and_cover_every_sequence_once():
     model, tok = tiny()
     tr = trainer(model, tok, micro_batch_size=3)
@@ -383,4 +401,43 @@ def test_cuda_graph_rollouts_follow_in_place_updates():
     for (rows, _, mask), logp in zip(batches, tr.logprobs_of(model, batches)):   # under the update's autocast
         for i, sampled in enumerate(rollout.sampler_logprobs[row] for row in rows):
             if sampled:   # to bf16 precision (log-probs near -5, 8-bit mantissas)
+                torch.testing.assert_close(logp[i][mask[i]], torch.tensor(sampled, device="cuda"), atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_packed_update_on_cuda_matches_the_padded_one():
+    """On a GPU under bf16 autocast the packed forward goes through variable-length flash attention:
+    its log-probs and gradients match the padded batch's to bf16 precision, and a packed GRPO run
+    keeps the rollouts' log-probs equal to the training forward's."""
+    from lmfs.inference.runner import flash_varlen_supports
+    from lmfs.kernels.fused import fuse_model
+    from lmfs.alignment.sft import packed_response_logprobs
+
+    model, tok = tiny()
+    model = fuse_model(model.cuda(), chunked_loss=False, norms=True, embedding=True)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
+    responses = [[11, 12, 13, 14, 15, 16], [17], [18, 19]]
+    ids, mask = batch_tensors(prompts, responses, "cuda")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    assert flash_varlen_supports(torch.zeros(1, 16, dtype=torch.bfloat16, device="cuda"))
+    grads = []
+    for packed in (False, True):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp, entropy = (packed_response_logprobs(model, ids, mask, lengths) if packed
+                             else response_logprobs(model, ids, mask))
+        (logp.sum() + entropy.sum()).backward()
+        grads.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0], atol=3e-2, rtol=0)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(b, a, atol=5e-2, rtol=5e-2)
+    model, tok = tiny()
+    tr = trainer(model.cuda(), tok, lr=1e-2, packed_update=True)
+    history = tr.train(2)
+    assert all(math.isfinite(x) for x in history.loss)
+    rollout = tr.rollout(tr.sample_problems(7))
+    batches = tr.micro_batches(rollout)
+    for (rows, _, mask), logp in zip(batches, tr.logprobs_of(model, batches)):
+        for i, sampled in enumerate(rollout.sampler_logprobs[row] for row in rows):
+            if sampled:
                 torch.testing.assert_close(logp[i][mask[i]], torch.tensor(sampled, device="cuda"), atol=2e-2, rtol=0)

@@ -1,5 +1,6 @@
 """lmfs.alignment: tasks and checkers, SFT (masking, packing, log-probs, accumulation), reward model, DPO."""
 
+import contextlib
 import copy
 import doctest
 import filecmp
@@ -15,8 +16,8 @@ from lmfs.alignment.base import _store, pretraining_text, train_tokenizer
 from lmfs.alignment.preference import (RewardModel, bradley_terry_loss, dpo_loss, dpo_metrics, reward_accuracy,
                                        score_pairs, sequence_logprob, train_dpo, train_reward_model)
 from lmfs.alignment.sft import (END, IGNORE, SPECIAL_TOKENS, USER, accumulate_sft_gradients, encode_example, end_id,
-                                format_prompt, generate_responses, pack, pad_batch, response_logprobs, sft_loss,
-                                token_losses, train_sft)
+                                format_prompt, generate_responses, pack, packed_response_logprobs, pad_batch,
+                                response_logprobs, sft_loss, token_losses, train_sft)
 from lmfs.alignment.tasks import (Problem, arithmetic_problems, check_answer, check_countdown, countdown_problems,
                                   extract_answer, instruction_examples, load_records, load_split, preference_pairs,
                                   split_of)
@@ -228,6 +229,61 @@ def test_response_logprobs_match_categorical(tok):
     torch.testing.assert_close(sequence_logprob(model, input_ids, mask), (want_logp * m).sum(-1), atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="mask must be"):
         response_logprobs(model, input_ids, mask[:, :3])
+
+
+def _ragged_batch(vocab=50, rows=6, seed=1):
+    """Right-padded prompt + response rows of different lengths (one response empty), and the lengths."""
+    from lmfs.alignment.grpo import batch_tensors
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (rows,), generator=g)]
+    responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (rows,), generator=g)]
+    responses[2] = []
+    ids, mask = batch_tensors(prompts, responses)
+    return ids, mask, [len(p) + len(r) for p, r in zip(prompts, responses)]
+
+
+@pytest.mark.parametrize("variant", [{}, dict(n_kv_heads=2), dict(window=5), dict(attn_softcap=20.0)],
+                         ids=["mha", "gqa", "window", "softcap"])
+def test_packed_response_logprobs_equal_the_padded_ones(variant, monkeypatch):
+    """The sequences packed into one row, each attending only to itself, give the padded batch's
+    log-probs, entropies and gradients (plain model on the padded batch vs the fused copy packed);
+    attending across the packed sequences would not."""
+    from lmfs.kernels.fused import fuse_model
+
+    torch.manual_seed(0)
+    plain = TransformerLM(TransformerConfig(vocab_size=50, context_length=32, d_model=32, n_layers=2, n_heads=4,
+                                            **variant))
+    fused = fuse_model(copy.deepcopy(plain), chunked_loss=False, norms=True, embedding=True)
+    ids, mask, lengths = _ragged_batch()
+    assert sum(lengths) < ids.numel()                                 # there is padding to leave out
+    logp, entropy = response_logprobs(plain, ids, mask)
+    packed_logp, packed_entropy = packed_response_logprobs(fused, ids, mask, lengths)
+    torch.testing.assert_close(packed_logp, logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_entropy, entropy, atol=1e-5, rtol=0)
+    (logp.sum() + entropy.sum()).backward()
+    (packed_logp.sum() + packed_entropy.sum()).backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=0, msg=name)
+    # Without packed_documents the row is one long causal sequence, each reading the ones before it.
+    monkeypatch.setattr("lmfs.kernels.fused.packed_documents", lambda model, lengths: contextlib.nullcontext())
+    with torch.no_grad():
+        across, _ = packed_response_logprobs(fused, ids, mask, lengths)
+    assert (across - logp).abs().max() > 1e-3           # (100x the tolerance above)
+
+
+def test_packed_response_logprobs_refuse_a_plain_model_and_bad_lengths():
+    from lmfs.kernels.fused import fuse_model
+
+    model = TransformerLM(TransformerConfig(vocab_size=50, context_length=32, d_model=16, n_layers=1, n_heads=2))
+    ids, mask, lengths = _ragged_batch()
+    with pytest.raises(TypeError, match="fuse it first"):
+        packed_response_logprobs(model, ids, mask, lengths)
+    fuse_model(model, chunked_loss=False)
+    with pytest.raises(ValueError, match="lengths must give"):
+        packed_response_logprobs(model, ids, mask, lengths[:-1])
+    with pytest.raises(ValueError, match="lengths must give"):
+        packed_response_logprobs(model, ids, mask, [0] + lengths[1:])
 
 
 def test_accumulated_gradient_equals_full_batch(tok):

@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 
 from lmfs.alignment.pg import (AGGREGATIONS, KL_ESTIMATORS, PG_LOSSES, aggregate, clip_fraction, group_advantages,
                                kl_estimate, pg_loss)
-from lmfs.alignment.sft import format_prompt, response_logprobs
+from lmfs.alignment.sft import format_prompt, packed_response_logprobs, response_logprobs
 from lmfs.alignment.tasks import check_answer
 from lmfs.bench.timing import synchronize
 from lmfs.eval import Interval, bootstrap_ci, pass_at_k
@@ -81,6 +81,10 @@ class GRPOConfig:
     (``chunked_loss=False, norms=True, embedding=True``: one matmul for q/k/v and for gate/up, Triton
     RoPE, SwiGLU and RMSNorm on CUDA, ``F.embedding``'s lookup; its modules change class, its
     parameters and state dict stay) and, on CUDA, step torch's foreach AdamW and clipping;
+    ``packed_update`` (needs ``fused_update``): the update's forward runs on the batch's sequences
+    packed into one row, each attending only to itself, instead of right-padded to the longest
+    (:func:`~lmfs.alignment.sft.packed_response_logprobs`: the same log-probs, without computing the
+    padding; variable-length flash attention on a GPU, a block-diagonal mask elsewhere);
     ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
     and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
     (0: never), with ``eval_samples`` answers per problem.
@@ -109,6 +113,7 @@ class GRPOConfig:
     max_batch_size: int = 512            # sequences the engine decodes at once
     autocast: str = "auto"
     fused_update: bool = True
+    packed_update: bool = False
     seed: int = 0
     progress: bool = True
 
@@ -134,6 +139,9 @@ class GRPOConfig:
                               ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.packed_update and not self.fused_update:
+            problems.append("packed_update=True needs fused_update=True: the fused model's attention is what "
+                            "keeps the packed sequences apart")
         if problems:
             raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
 
@@ -344,7 +352,8 @@ class GRPOTrainer:
         stored, current = ckpt["train_config"], asdict(self.config)
         # settings that do not change what is trained; settings of older versions, and settings a
         # checkpoint predates, are not compared
-        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "fused_update"}
+        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "fused_update",
+                   "packed_update"}
         differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
                      if k not in ignored and k in stored and stored[k] != current[k] and not (
                          isinstance(current[k], tuple) and list(current[k]) == stored.get(k))]
@@ -476,11 +485,15 @@ class GRPOTrainer:
         # host wait for the GPU every time instead of queueing the next micro-batch's work.
         zero = torch.zeros((), device=self.device)
         old_logps, entropy_sum, kl_sum = [], zero, zero
+        lengths = [[len(rollout.prompt_ids[i]) + len(rollout.response_ids[i]) for i in rows] for rows, _, _ in batches]
         for epoch in range(c.epochs_per_batch):
             loss_sum, clipped = zero, zero
             for j, ((rows, ids, mask), w) in enumerate(zip(batches, weights)):
                 with self._autocast():
-                    logp, entropy = response_logprobs(self.policy, ids, mask)
+                    if c.packed_update:
+                        logp, entropy = packed_response_logprobs(self.policy, ids, mask, lengths[j])
+                    else:
+                        logp, entropy = response_logprobs(self.policy, ids, mask)
                 logp = logp.float()
                 if epoch == 0:
                     old_logps.append(logp.detach())

@@ -163,6 +163,51 @@ def response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
     return logp * mask, entropy * mask
 
 
+def packed_response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
+                             lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`response_logprobs` of right-padded ``input_ids`` ``(B, T)`` whose rows hold ``lengths``
+    tokens, computed without the padding: the sequences run packed one after another in a single
+    row of ``sum(lengths)`` tokens, each at positions from 0 and attending only to itself
+    (:func:`lmfs.kernels.fused.packed_documents`), and the results are laid back out as ``(B, T-1)``.
+
+    The same numbers as :func:`response_logprobs` up to rounding, with fewer tokens computed when
+    the lengths differ (a GRPO batch padded to its longest answer is a fifth to a third padding).
+    ``model`` must be made by :func:`lmfs.kernels.fused.fuse_model` (its attention is what keeps the
+    sequences apart); a plain model is refused (``TypeError``), since it would let each sequence
+    read the ones before it. ``mask`` as for :func:`response_logprobs`.
+    """
+    from lmfs.kernels.fused import packed_documents
+
+    B, T = input_ids.shape
+    lengths = [int(n) for n in lengths]
+    if len(lengths) != B or min(lengths, default=0) < 1 or max(lengths) > T:
+        raise ValueError(f"lengths must give 1..{T} tokens for each of the {B} rows, got {lengths[:8]}"
+                         + ("..." if len(lengths) > 8 else ""))
+    if max(lengths) > model.config.context_length:
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds context_length={model.config.context_length}")
+    if mask.shape == input_ids.shape:
+        mask = mask[:, 1:]
+    if mask.shape != (B, T - 1):
+        raise ValueError(f"mask must be (B, T) like input_ids {tuple(input_ids.shape)} or (B, T-1), "
+                         f"got {tuple(mask.shape)}")
+    device = input_ids.device
+    t = torch.arange(T, device=device)
+    kept = t < torch.tensor(lengths, device=device)[:, None]               # (B, T): the real tokens
+    flat = input_ids[kept]                                                 # (N,) the sequences, in order
+    with packed_documents(model, lengths):
+        # hidden + head, not forward: the row is longer than the context, each sequence in it is not
+        logits = model.head(model.hidden(flat[None], t.expand(B, T)[kept]))[0]          # (N, V)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    # Token i predicts token i + 1; each sequence's last token "predicts" the next one's first, which
+    # no mask selects.
+    logp_flat = logprobs.gather(-1, flat.roll(-1)[:, None]).squeeze(-1)
+    entropy_flat = -(logprobs.exp() * logprobs).sum(-1)
+    logp = logprobs.new_zeros(B, T).masked_scatter(kept, logp_flat)[:, :-1]
+    entropy = logprobs.new_zeros(B, T).masked_scatter(kept, entropy_flat)[:, :-1]
+    mask = mask.to(device)
+    return logp * mask, entropy * mask
+
+
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The summed cross-entropy of ``(B, T, V)`` logits against ``(B, T)`` labels where the label
     is not -100, and the number of such tokens. Positions labelled -100 contribute nothing, not

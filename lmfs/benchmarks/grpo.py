@@ -1,7 +1,7 @@
 """One GRPO step: where its time goes, and lmfs's trainer vs TRL's ``GRPOTrainer``.
 
     python -m lmfs.benchmarks grpo [--json results/h200/grpo.json] [--tiny] [--steps N] [--no-trl]
-                                   [--autocast off] [--no-fused-update]
+                                   [--autocast off] [--no-fused-update] [--packed-update]
 
 Both trainers run the same task (the held-out-free train split of the course's arithmetic problems,
 in the chat template of :mod:`lmfs.alignment.sft`, rewarded by
@@ -15,7 +15,8 @@ same sampling (temperature 1, no filters, stopping at ``<|end|>`` only) and gene
 KL penalty (so neither runs a reference model), one epoch per batch (so neither needs old
 log-probs), fp32 weights (bf16 autocast on CUDA: lmfs's update and rollouts both compute
 under it, ``--autocast off`` computes lmfs's in fp32; ``--no-fused-update`` trains through the plain
-modules instead of :func:`lmfs.kernels.fused.fuse_model`'s). A random model seldom produces its stop
+modules instead of :func:`lmfs.kernels.fused.fuse_model`'s; ``--packed-update`` runs lmfs's update on
+the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``). A random model seldom produces its stop
 token, so nearly every response runs to the limit in both: equal work; the mean response lengths
 are printed to show it. The engine's flags (CUDA graphs, fused decode, autocast) are printed with
 lmfs's row, and where the step goes: the rollout's decode device time against its wall time (the
@@ -192,7 +193,8 @@ ROLLOUT_STATS = ("prefill_seconds", "decode_seconds", "decode_device_seconds", "
                  "decode_steps", "overlapped_steps")
 
 
-def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_update: bool = True) -> dict:
+def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_update: bool = True,
+             packed_update: bool = False) -> dict:
     """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
     decode step is captured in a CUDA graph for each batch size met, one on the CPU)."""
     from lmfs.alignment.grpo import PHASES, GRPOConfig, GRPOTrainer
@@ -202,7 +204,7 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     config = GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts,
                         max_new_tokens=sizes.max_new_tokens, micro_batch_size=sizes.micro_batch, lr=1e-6,
                         epochs_per_batch=1, kl_coef=0.0, temperature=1.0, progress=False, autocast=autocast,
-                        fused_update=fused_update)
+                        fused_update=fused_update, packed_update=packed_update)
     trainer = GRPOTrainer(model, tok, problems, config=config)
     trainer.stop_ids = (end_id(tok),)                     # TRL stops at its eos token only: so do we here
     # The timer goes in before the warm-up, so that the CUDA graphs are captured with it in place.
@@ -228,6 +230,10 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     phases = {p: sum(getattr(h, f"{p}_s")[-n:]) for p in PHASES}
     total = sum(steps)
     micro_batches = -(-config.batch_size // config.micro_batch_size)
+    # the tokens the last step's update ran: the sequences' own, and with the padding to each micro-batch's longest
+    last = trainer.last_rollout
+    tokens = [len(p) + len(r) for p, r in zip(last.prompt_ids, last.response_ids)]
+    padded = sum(len(rows) * max(tokens[i] for i in rows) for rows, _, _ in trainer.micro_batches(last))
     return dict(samples_per_s=config.batch_size * n / total, seconds_per_step=total / n,
                 useful_generation_share=sum(useful) / total,
                 useful_share_of_rollout=sum(useful) / phases["rollout"],
@@ -238,12 +244,13 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
                          "device_timed": cuda},
                 update={"seconds": phases["update"] / n, "micro_batches": micro_batches,
                         "optimizer_seconds": optimizer_timer.seconds / n,
-                        "seconds_per_micro_batch": (phases["update"] - optimizer_timer.seconds) / n / micro_batches},
+                        "seconds_per_micro_batch": (phases["update"] - optimizer_timer.seconds) / n / micro_batches,
+                        "tokens": sum(tokens), "padded_tokens": padded},
                 # how the engine and the update ran (flags of lmfs.inference.LLM's stats; None where it
                 # does not report one)
                 engine={**{flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")},
                         "autocast": str(trainer.llm.autocast).removeprefix("torch.") if trainer.llm.autocast else None,
-                        "fused_update": fused_update})
+                        "fused_update": fused_update, "packed_update": packed_update})
 
 
 def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
@@ -301,7 +308,7 @@ def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
 
 
 def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str = "auto",
-        fused_update: bool = True) -> dict:
+        fused_update: bool = True, packed_update: bool = False) -> dict:
     """Both measurements; prints the table; returns the numbers."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -313,7 +320,7 @@ def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "sizes": asdict(sizes),
               "params": model.num_params(), "batch": sizes.prompts * sizes.group_size}
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update)
+    result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update, packed_update)
     model.load_state_dict(initial)                       # TRL starts from the same weights
     gc.collect()
     if not trl:
@@ -363,6 +370,10 @@ def _print(result: dict) -> None:
           f"{s['micro_batch']} sequences x {u['seconds_per_micro_batch'] * 1e3:.1f} ms (forward + backward, "
           f"gradient clipping included) "
           f"+ optimizer step {u['optimizer_seconds'] * 1e3:.1f} ms")
+    if "tokens" in u:
+        computed = u["tokens"] if lm["engine"].get("packed_update") else u["padded_tokens"]
+        print(f"lmfs update tokens (last step): {u['tokens']:,} in the sequences, {u['padded_tokens']:,} padded to "
+              f"each micro-batch's longest; {computed:,} computed ({'packed' if computed == u['tokens'] else 'padded'})")
     if "ratio" in result:
         print(f"lmfs / TRL samples/s: {result['ratio']:.3g}x")
     else:
@@ -380,12 +391,15 @@ def main(argv=None) -> dict:
                         help="lmfs's update and rollouts: bf16 autocast on CUDA (auto), or float32 (off)")
     parser.add_argument("--no-fused-update", action="store_true",
                         help="train lmfs's policy through the plain modules, not lmfs.kernels.fused's")
+    parser.add_argument("--packed-update", action="store_true",
+                        help="lmfs's update on the sequences packed into one row, not right-padded")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = CPU_SIZES if args.tiny or device.type != "cuda" else GPU_SIZES
     if args.steps is not None:
         sizes = Sizes(**{**asdict(sizes), "steps": args.steps})
-    result = run(sizes, device, trl=not args.no_trl, autocast=args.autocast, fused_update=not args.no_fused_update)
+    result = run(sizes, device, trl=not args.no_trl, autocast=args.autocast, fused_update=not args.no_fused_update,
+                 packed_update=args.packed_update)
     save_json(result, args.json)
     return result

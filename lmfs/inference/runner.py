@@ -292,24 +292,38 @@ def gathered_attention(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     k = k_cache.flatten(0, 1)[batch.key_slots].to(q.dtype)   # (M, KV, hd)
     v = v_cache.flatten(0, 1)[batch.key_slots].to(q.dtype)
     if varlen_flash_usable(attn, q, batch):
-        window = {} if attn.window is None else dict(window_size_left=attn.window - 1, window_size_right=0)
-        out = torch.ops.aten._flash_attention_forward(
-            q.contiguous(), k, v, batch.cu_seq_q, batch.cu_seq_k, batch.max_q, batch.max_k, 0.0, True, False,
-            **window)[0]
+        out = flash_varlen(q, k, v, batch.cu_seq_q, batch.cu_seq_k, batch.max_q, batch.max_k, attn.window)
         return out.reshape(q.shape[0], -1)
     return _attend(attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                    batch.allowed, masks)[0]
 
 
 def varlen_flash_usable(attn, q: torch.Tensor, batch: PagedBatch) -> bool:
-    """Whether :func:`gathered_attention` may call PyTorch's variable-length flash attention: a CUDA
-    build with it, 16-bit queries on the GPU, a head size it takes, no soft-cap, and a batch that
-    says where its sequences start."""
+    """Whether :func:`gathered_attention` may call :func:`flash_varlen`: queries it takes
+    (:func:`flash_varlen_supports`) and a batch that says where its sequences start."""
+    return batch.cu_seq_q is not None and flash_varlen_supports(q, attn.softcap)
+
+
+def flash_varlen_supports(q: torch.Tensor, softcap: float | None = None) -> bool:
+    """Whether :func:`flash_varlen` runs for queries like ``q``: a CUDA build with flash attention,
+    16-bit queries on an Ampere or newer GPU, a head size it takes, and no soft-cap."""
     hd = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
-            and attn.softcap is None and batch.cu_seq_q is not None
-            and torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)   # flash needs Ampere or newer
+            and softcap is None and torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                 max_q: int, max_k: int, window: int | None = None) -> torch.Tensor:
+    """PyTorch's variable-length flash attention (differentiable): queries ``(N, H, d)`` and keys and
+    values ``(M, KV, d)`` of ``S`` sequences packed one after another, sequence ``s`` owning queries
+    ``cu_q[s]:cu_q[s+1]`` and keys ``cu_k[s]:cu_k[s+1]`` (int32 ``(S + 1,)``); causal within each
+    sequence, aligned at its end (a sequence with more keys than queries sees its first keys from
+    every query), and within ``window`` keys when given. Returns ``(N, H, d)``. Check
+    :func:`flash_varlen_supports` first."""
+    window_args = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+    return torch.ops.aten._flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
+                                                   max_q, max_k, 0.0, True, False, **window_args)[0]
 
 
 DecodeAttention = Callable[..., torch.Tensor]

@@ -82,6 +82,7 @@ from lmfs.kernels._triton import INTERPRET, check_tensors, tl, triton
 from lmfs.kernels.loss import linear_cross_entropy
 from lmfs.kernels.rmsnorm import MAX_COLS, rms_norm
 from lmfs.nn import CausalSelfAttention, Embedding, GatedMLP, Linear, RMSNorm, TransformerLM
+from lmfs.nn.attention import attention_reference
 from lmfs.nn.positions import rope_angles
 
 
@@ -338,6 +339,7 @@ class FusedAttention(CausalSelfAttention):
     :func:`rope_qkv`. Made from a built module by :func:`fuse_model`."""
 
     triton: bool = True
+    documents: PackedDocuments | None = None   # set by packed_documents while it runs
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # rope_qkv takes one (T, head_dim) table for every sequence: not (B, T) positions.
@@ -354,6 +356,95 @@ class FusedAttention(CausalSelfAttention):
         else:
             q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
         return self.o_proj(self.heads(q, k, v, positions))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Inside packed_documents: causal within each packed sequence, nothing across them.
+        if self.documents is None:
+            return super().attend(q, k, v)
+        return self.documents.attend(q, k, v, self.window, self.softcap)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequences packed into one row
+
+
+class PackedDocuments:
+    """``lengths``: sequences laid one after another in a single row of ``sum(lengths)`` tokens.
+
+    :meth:`attend` is causal attention within each sequence and none across them, the attention of
+    each sequence on its own: on a GPU through PyTorch's variable-length flash attention
+    (:func:`~lmfs.inference.runner.flash_varlen`), which computes only each sequence's own block of
+    scores; elsewhere through SDPA with a block-diagonal causal mask of ``N × N`` entries (memory
+    grows with the square of the row: for tests and small batches).
+    """
+
+    def __init__(self, lengths: Sequence[int]):
+        self.lengths = [int(n) for n in lengths]
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"packed sequences need at least one token each, got lengths {self.lengths[:8]}...")
+        self.total, self.longest = sum(self.lengths), max(self.lengths)
+        self._bounds: dict = {}   # device -> cumulative lengths (S + 1,) int32
+
+    def cu_seqlens(self, device) -> torch.Tensor:
+        """Where each sequence starts, and the total: int32 ``(S + 1,)`` on ``device``."""
+        device = torch.device(device)
+        if device not in self._bounds:
+            bounds = torch.tensor([0] + self.lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            self._bounds[device] = bounds.to(device, non_blocking=True)
+        return self._bounds[device]
+
+    def mask(self, device, window: int | None = None) -> torch.Tensor:
+        """``(N, N)`` boolean: query ``i`` may read key ``j`` (same sequence, ``j <= i``, within ``window``)."""
+        sequence = torch.repeat_interleave(torch.arange(len(self.lengths), device=device),
+                                           torch.tensor(self.lengths, device=device))
+        i = torch.arange(self.total, device=device)
+        allowed = (sequence[:, None] == sequence[None, :]) & (i[None, :] <= i[:, None])
+        if window is not None:
+            allowed &= (i[:, None] - i[None, :]) < window
+        return allowed
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Heads ``(1, H, N, d)`` of the packed row (K/V heads already shared out) -> ``(1, H, N, d)``."""
+        from lmfs.inference.runner import flash_varlen, flash_varlen_supports
+
+        if q.shape[0] != 1 or q.shape[2] != self.total:
+            raise ValueError(f"packed sequences of {self.total} tokens in all need heads (1, H, {self.total}, d), "
+                             f"got {tuple(q.shape)}: pass the sequences as one row")
+        if flash_varlen_supports(q, softcap):
+            bounds = self.cu_seqlens(q.device)
+            out = flash_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), bounds, bounds,
+                               self.longest, self.longest, window)      # (N, H, d)
+            return out.transpose(0, 1)[None]
+        allowed = self.mask(q.device, window)
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        blocked = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+        return attention_reference(q, k, v, blocked, softcap)
+
+
+@contextlib.contextmanager
+def packed_documents(model: torch.nn.Module, lengths: Sequence[int]):
+    """Within the block, every attention module of ``model`` treats its input as the sequences of
+    ``lengths`` packed into one row (:class:`PackedDocuments`): each attends only to itself. Give the
+    model positions that restart at 0 for each sequence, and read each sequence's outputs from its
+    own span of the row. The attention must be :func:`fuse_model`'s :class:`FusedAttention`: a plain
+    :class:`~lmfs.nn.CausalSelfAttention` would attend across the sequences, so a model with one is
+    refused (``TypeError``)."""
+    attention = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    plain = [type(m).__name__ for m in attention if not isinstance(m, FusedAttention)]
+    if plain or not attention:
+        raise TypeError(f"packed_documents needs attention that keeps packed sequences apart, but the model has "
+                        f"{plain[0] if plain else 'no attention module'}: fuse it first "
+                        "(lmfs.kernels.fused.fuse_model)")
+    documents = PackedDocuments(lengths)
+    for m in attention:
+        m.documents = documents
+    try:
+        yield documents
+    finally:
+        for m in attention:
+            m.documents = None
 
 
 class FusedGatedMLP(GatedMLP):
