@@ -162,6 +162,37 @@ def test_packed_update_trains_as_the_padded_one():
         GRPOConfig(packed_update=True, fused_update=False)
 
 
+def test_fused_adamw_updates_reach_the_engines_16_bit_weights():
+    """Torch's fused AdamW (the trainer's optimizer with fused_update on CUDA; its CPU kernel here)
+    writes the parameters without bumping their version counters, which the engine's 16-bit decode
+    weights follow: the trainer bumps them after each step, so the rollouts sample from the updated
+    policy (their log-probs equal a fresh engine's on the same weights)."""
+    pytest.importorskip("lmfs.kernels.decode")
+    from lmfs.inference import LLM, SamplingParams
+
+    model, tok = tiny()
+    tr = trainer(model, tok, lr=1e-2, autocast="bf16")
+    tr.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=tr.config.betas, fused=True)
+    tr._torch_optimizer = True
+    tr.llm = LLM(model, tok, fused_decode=True, autocast=torch.bfloat16, progress=False)
+    param = model.blocks[0].attn.q_proj.weight
+    version = param._version
+    tr.train(2)
+    assert param._version > version
+    copies = tr.llm._fused.weight_copies
+    tr.rollout(tr.sample_problems(5))
+    assert tr.llm._fused.weight_copies > copies          # the second update reached the copies
+    prompts, params = tr.prompts[:3], SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=True)
+    fresh = LLM(model, tok, fused_decode=True, autocast=torch.bfloat16, progress=False).generate(prompts, params)
+    assert ([(o.token_ids, o.logprobs) for o in tr.llm.generate(prompts, params)]
+            == [(o.token_ids, o.logprobs) for o in fresh])
+    # Without the bump the counters stay put and the engine would keep sampling from stale copies.
+    version = param._version
+    param.grad = torch.ones_like(param)
+    tr.optimizer.step()
+    assert param._version == version
+
+
 def test_micro_batches_sort_by_length_and_cover_every_sequence_once():
     model, tok = tiny()
     tr = trainer(model, tok, micro_batch_size=3)

@@ -78,6 +78,30 @@ def test_adam_state_moves_between_ours_and_torchs(first, second):
     assert adam_state_for(sgd, sgd.state_dict()) == sgd.state_dict()   # not an Adam: as it is
 
 
+def test_a_foreach_adamw_checkpoint_resumes_as_fused():
+    """The switches of how torch's AdamW computes are the resuming optimizer's own: a checkpoint of
+    the foreach AdamW (or of ours) loads into a fused one, which then steps fused, and five steps
+    in all equal five of one optimizer."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for first in (lambda p: torch.optim.AdamW(p, foreach=True, **kwargs), lambda p: AdamW(p, **kwargs)):
+        a, b = small_model(), small_model()
+        want = run(a, first(a.parameters()), steps=5)
+        opt = first(b.parameters())
+        run(b, opt, steps=3)
+        fused = torch.optim.AdamW(b.parameters(), fused=True, **kwargs)
+        fused.load_state_dict(adam_state_for(fused, copy.deepcopy(opt.state_dict())))
+        assert fused.param_groups[0]["fused"] and not fused.param_groups[0]["foreach"]
+        data = torch.Generator().manual_seed(1)
+        for step in range(5):
+            x, y = torch.randn(16, 6, generator=data), torch.randn(16, 3, generator=data)
+            if step >= 3:
+                fused.zero_grad()
+                torch.nn.functional.mse_loss(b(x), y).backward()
+                fused.step()
+        for g, w in zip(b.parameters(), want):
+            torch.testing.assert_close(g.detach(), w, atol=1e-6, rtol=1e-6)
+
+
 def test_optimizer_skips_params_without_grad_and_supports_groups():
     frozen, live = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     opt = AdamW([{"params": [frozen]}, {"params": [live], "lr": 0.5}], lr=0.1)

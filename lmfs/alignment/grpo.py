@@ -22,8 +22,9 @@ as the update's, and the decode step's projections are bfloat16 matmuls instead 
 several times faster. With ``fused_update`` the policy's attention and gated MLPs compute through
 :func:`lmfs.kernels.fused.fuse_model` (q/k/v and gate/up as one matmul each, Triton RoPE and SwiGLU
 under autocast on CUDA, an embedding lookup with a parallel backward) and on CUDA steps torch's
-multi-tensor AdamW (the same update rule as :class:`lmfs.optim.AdamW`): the same parameters and state
-dict, the same function up to rounding.
+fused AdamW (the same update rule as :class:`lmfs.optim.AdamW`): the same parameters and state
+dict, the same function up to rounding. With ``packed_update`` as well, the update's forward runs on
+the batch's sequences packed into one row instead of right-padded to the longest.
 
 The *old* log-probs (the denominator of the importance ratio) need no forward pass of their own:
 an epoch is one optimizer step, so the whole first epoch runs on the policy that sampled the batch,
@@ -80,7 +81,7 @@ class GRPOConfig:
     policy through :func:`lmfs.kernels.fused.fuse_model`
     (``chunked_loss=False, norms=True, embedding=True``: one matmul for q/k/v and for gate/up, Triton
     RoPE, SwiGLU and RMSNorm on CUDA, ``F.embedding``'s lookup; its modules change class, its
-    parameters and state dict stay) and, on CUDA, step torch's foreach AdamW and clipping;
+    parameters and state dict stay) and, on CUDA, step torch's fused AdamW and foreach clipping;
     ``packed_update`` (needs ``fused_update``): the update's forward runs on the batch's sequences
     packed into one row, each attending only to itself, instead of right-padded to the longest
     (:func:`~lmfs.alignment.sft.packed_response_logprobs`: the same log-probs, without computing the
@@ -284,17 +285,17 @@ class GRPOTrainer:
             reference.eval().requires_grad_(False)
         self.reference = reference
         policy.eval()   # no dropout: the log-probs of the update must be those the sampler used
-        # The update rule is lmfs.optim.AdamW's. On a GPU the fused update steps torch's multi-tensor
-        # (foreach) AdamW, the same rule (tests/test_optim.py compares the two) in a few kernels per
-        # step instead of six per parameter, and clips with torch's foreach norm: an H200 took 12.5
-        # ms for the benchmark model's clip and step written out, 1.2 ms with foreach clipping and
-        # the fused AdamW; the foreach AdamW's step took 1.5-2.2 ms in the GRPO benchmark. Not the
-        # fused one: its kernel leaves the parameters' version counters alone, and the engine's
-        # 16-bit weight copies follow those. Checkpoints of either resume with the other
-        # (lmfs.optim.adam_state_for).
+        # The update rule is lmfs.optim.AdamW's. On a GPU the fused update steps torch's fused AdamW,
+        # the same rule (tests/test_optim.py compares the two) in a few kernels per step instead of
+        # six per parameter, and clips with torch's foreach norm: an H200 took 12.5 ms for the
+        # benchmark model's clip and step written out, 1.2 ms with foreach clipping and the fused
+        # AdamW (0.41 ms of it the step; torch's foreach AdamW took 1.5-2.2 ms). The fused kernel
+        # leaves the parameters' version counters alone, and the engine's 16-bit weight copies
+        # follow those counters, so _optimizer_step bumps them. Checkpoints of either optimizer
+        # resume with the other (lmfs.optim.adam_state_for).
         self._torch_optimizer = config.fused_update and self.device.type == "cuda"
         hyper = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-        self.optimizer = (torch.optim.AdamW(policy.parameters(), **hyper, foreach=True) if self._torch_optimizer
+        self.optimizer = (torch.optim.AdamW(policy.parameters(), **hyper, fused=True) if self._torch_optimizer
                           else AdamW(policy.parameters(), **hyper))
         self.stop_ids = tuple(sorted(set(getattr(tokenizer, "special_ids", {}).values())))
         # The engine holds `policy` itself, not a copy: its forward passes read the parameters' own
@@ -514,14 +515,24 @@ class GRPOTrainer:
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"the GRPO loss is {loss_value} at step {self.step + 1}: training "
                                          f"diverged. Lower the learning rate (lr={c.lr:g}) or keep grad_clip on")
-            if c.grad_clip and self._torch_optimizer:
-                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.grad_clip, foreach=True)
-            elif c.grad_clip:
-                clip_grad_norm(self.policy.parameters(), c.grad_clip)
-            self.optimizer.step()           # in place: the engine sees the new weights (see __init__)
-            self.optimizer.zero_grad(set_to_none=True)
+            self._optimizer_step()
         return dict(loss=loss_value, clip_fraction=clipped.item() / tokens, entropy=entropy_sum.item() / tokens,
                     kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"))
+
+    def _optimizer_step(self) -> None:
+        """Clip the gradient, step the optimizer (in place: the engine reads the new weights, see
+        ``__init__``) and clear the gradient. Torch's fused AdamW writes the parameters without
+        bumping their version counters, so they are bumped here: the engine copies a parameter
+        into its 16-bit decode weights only when its counter moved."""
+        params, clip = [p for p in self.policy.parameters() if p.grad is not None], self.config.grad_clip
+        if clip and self._torch_optimizer:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        elif clip:
+            clip_grad_norm(params, clip)
+        self.optimizer.step()
+        if self._torch_optimizer:
+            torch.autograd.graph.increment_version(params)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(self) -> dict:
         """One GRPO step (rollout, reward, reference, update); returns its record."""

@@ -158,6 +158,8 @@ class AdamW(Adam):
 
 # Per-parameter state names of the same Adam quantities: ours and torch.optim.Adam/AdamW's.
 _ADAM_NAMES = {"m": "exp_avg", "v": "exp_avg_sq"}
+# How a torch optimizer computes its step, not what: the optimizer's own, whatever a checkpoint says.
+_TORCH_SWITCHES = ("fused", "foreach", "capturable", "differentiable")
 
 
 def adam_state_for(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -166,8 +168,9 @@ def adam_state_for(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     The two keep the same moments under other names (``m``/``v`` and ``exp_avg``/``exp_avg_sq``)
     and the step as an int or a tensor, so a checkpoint written by one resumes the other (e.g. a
     run that stepped torch's fused AdamW on a GPU, resumed on a CPU with ours). A torch optimizer
-    keeps its own switches (``fused``, ``foreach``, ...) where the saved groups lack them. Other
-    optimizers' state dicts are returned as they are.
+    keeps its own switches of how it computes (:data:`_TORCH_SWITCHES`: a checkpoint of the foreach
+    AdamW resumes as fused where the optimizer is fused), and its other settings where the saved
+    groups lack them. Other optimizers' state dicts are returned as they are.
     """
     ours = isinstance(optimizer, Adam)
     if not (ours or isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):
@@ -184,5 +187,8 @@ def adam_state_for(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     if not ours:
         for saved, current in zip(groups, optimizer.state_dict()["param_groups"]):
             for key, value in current.items():
-                saved.setdefault(key, value)
+                if key in _TORCH_SWITCHES:
+                    saved[key] = value
+                else:
+                    saved.setdefault(key, value)
     return {"state": state, "param_groups": groups}
