@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -176,6 +177,7 @@ def packed_response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
     sequences apart); a plain model is refused (``TypeError``), since it would let each sequence
     read the ones before it. ``mask`` as for :func:`response_logprobs`.
     """
+    from lmfs.inference.runner import upload
     from lmfs.kernels.fused import packed_documents
 
     B, T = input_ids.shape
@@ -190,20 +192,23 @@ def packed_response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
     if mask.shape != (B, T - 1):
         raise ValueError(f"mask must be (B, T) like input_ids {tuple(input_ids.shape)} or (B, T-1), "
                          f"got {tuple(mask.shape)}")
+    # Where each packed token sits in the padded batch (flat index b·T + t), worked out on the host
+    # from the lengths: a boolean mask would make the device report its count (a host sync).
+    n = np.asarray(lengths)
+    position = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)           # (N,) restarting at 0
     device = input_ids.device
-    t = torch.arange(T, device=device)
-    kept = t < torch.tensor(lengths, device=device)[:, None]               # (B, T): the real tokens
-    flat = input_ids[kept]                                                 # (N,) the sequences, in order
+    where = upload(np.repeat(np.arange(B) * T, n) + position, device)
+    flat = input_ids.reshape(-1)[where]                                        # (N,) the sequences, in order
     with packed_documents(model, lengths):
         # hidden + head, not forward: the row is longer than the context, each sequence in it is not
-        logits = model.head(model.hidden(flat[None], t.expand(B, T)[kept]))[0]          # (N, V)
+        logits = model.head(model.hidden(flat[None], upload(position, device)))[0]     # (N, V)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     # Token i predicts token i + 1; each sequence's last token "predicts" the next one's first, which
     # no mask selects.
     logp_flat = logprobs.gather(-1, flat.roll(-1)[:, None]).squeeze(-1)
     entropy_flat = -(logprobs.exp() * logprobs).sum(-1)
-    logp = logprobs.new_zeros(B, T).masked_scatter(kept, logp_flat)[:, :-1]
-    entropy = logprobs.new_zeros(B, T).masked_scatter(kept, entropy_flat)[:, :-1]
+    logp, entropy = (logprobs.new_zeros(B * T).index_copy(0, where, x).view(B, T)[:, :-1]
+                     for x in (logp_flat, entropy_flat))
     mask = mask.to(device)
     return logp * mask, entropy * mask
 

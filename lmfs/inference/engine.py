@@ -77,7 +77,7 @@ import torch
 
 from lmfs.inference.kv_cache import (BlockAllocator, KVCache, PagedKVCache, kv_bytes_per_token,
                                      paged_attention_reference)
-from lmfs.inference.runner import PagedBatch, capture_graph, forward_cached, gathered_batch, paged_forward
+from lmfs.inference.runner import PagedBatch, capture_graph, forward_cached, gathered_batch, paged_forward, upload
 from lmfs.inference.sampling import SamplingParams, draw_uniforms, sample, sample_scaled
 
 
@@ -649,12 +649,8 @@ class LLM:
         return self._read(step, running)
 
     def _upload(self, values, dtype=torch.long) -> torch.Tensor:
-        """Host ``values`` as a device tensor, copied through pinned memory on CUDA so that the host
-        does not wait for the step in flight (a plain copy from pageable memory would)."""
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        """Host ``values`` as a device tensor, without waiting for the step in flight (:func:`upload`)."""
+        return upload(values, self.device, dtype)
 
     def _batch_state(self, batch: list) -> dict:
         """The decode batch as device tensors, rebuilt only when its rows changed: its ``rows``,

@@ -72,6 +72,7 @@ projections without them take 32.0 ms. ``torch.compile`` traces into the autogra
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -387,10 +388,11 @@ class PackedDocuments:
 
     def cu_seqlens(self, device) -> torch.Tensor:
         """Where each sequence starts, and the total: int32 ``(S + 1,)`` on ``device``."""
+        from lmfs.inference.runner import upload
+
         device = torch.device(device)
         if device not in self._bounds:
-            bounds = torch.tensor([0] + self.lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            self._bounds[device] = bounds.to(device, non_blocking=True)
+            self._bounds[device] = upload(list(itertools.accumulate(self.lengths, initial=0)), device, torch.int32)
         return self._bounds[device]
 
     def mask(self, device, window: int | None = None) -> torch.Tensor:
