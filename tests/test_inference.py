@@ -414,6 +414,25 @@ def test_bad_requests_get_errors_and_others_go_on():
         llm.generate(["text"])
 
 
+def test_on_finish_reports_each_request_as_it_finishes():
+    """generate's on_finish gets every request's output once, the refused one first, each as soon as
+    it finishes: the short request after a few decode steps, the long one after all of them. The
+    outputs are the ones returned, and equal those of a call without the hook."""
+    model = tiny()
+    prompts = [[]] + random_prompts([5, 7])
+    params = [SamplingParams(max_tokens=2, temperature=0)] * 2 + [SamplingParams(max_tokens=12, temperature=0)]
+    llm = LLM(model)
+    seen = []
+    outs = llm.generate(prompts, params, on_finish=lambda out: seen.append((out, llm.stats["decode_steps"])))
+    assert [(o.index, o.finish_reason, len(o.token_ids)) for o, _ in seen] == [(0, "error", 0), (1, "length", 2),
+                                                                                (2, "length", 12)]
+    assert seen[1][1] <= 3 < 10 <= seen[2][1]          # decode steps launched when each was reported
+    assert [o for o, _ in sorted(seen, key=lambda x: x[0].index)] == outs
+    assert all(a is b for a, b in zip(sorted((o for o, _ in seen), key=lambda o: o.index), outs))
+    plain = LLM(model).generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in plain]
+
+
 def test_context_limit_stop_tokens_and_stream():
     model = tiny()
     prompt = random_prompts([40])[0]

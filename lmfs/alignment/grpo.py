@@ -404,12 +404,17 @@ class GRPOTrainer:
         A request the engine refuses gets an empty response (no tokens, reward 0)."""
         G = self.config.group_size
         prompts = [self.prompts[i] for i in indices for _ in range(G)]
-        outputs = self.llm.generate(prompts, self._sampling(), progress=False)
+        texts = [""] * len(prompts)
+
+        def decode(out):   # as each answer finishes, while the engine decodes the others on the device
+            if out.finish_reason != "error":
+                texts[out.index] = self.response_text(out.token_ids)
+
+        outputs = self.llm.generate(prompts, self._sampling(), progress=False, on_finish=decode)
         self.rollout_stats = dict(self.llm.stats)
-        responses = [o.token_ids if o.finish_reason != "error" else [] for o in outputs]
         return Rollout(problems=[self.problems[i] for i in indices for _ in range(G)], prompt_ids=prompts,
-                       response_ids=responses, texts=[self.response_text(r) for r in responses],
-                       sampler_logprobs=[o.logprobs or [] for o in outputs],
+                       response_ids=[o.token_ids if o.finish_reason != "error" else [] for o in outputs],
+                       texts=texts, sampler_logprobs=[o.logprobs or [] for o in outputs],
                        rewards=torch.zeros(len(prompts)), correct=torch.zeros(len(prompts)))
 
     def score(self, rollout: Rollout) -> Rollout:

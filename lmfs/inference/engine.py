@@ -70,7 +70,7 @@ import math
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -259,6 +259,7 @@ class LLM:
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
         self._pending: _Step | None = None    # the decode step in flight, its tokens not read yet
+        self._finished: list[_Request] = []
         self.stats = self._empty_stats()
 
     # ------------------------------------------------------------------------------------------
@@ -359,15 +360,36 @@ class LLM:
     # Public API
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: bool | None = None) -> list[RequestOutput]:
+                 progress: bool | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings, with a tokenizer, or lists of token ids); ``params``:
         one :class:`SamplingParams` for all or one per prompt. Returns one :class:`RequestOutput`
         per prompt, in order. A bad request (empty, too long, never fits the KV budget) gets
-        ``finish_reason="error"`` and the others go on."""
+        ``finish_reason="error"`` and the others go on.
+
+        ``on_finish(output)``, if given, is called once per request with its output as soon as it
+        finishes (a refused request's first), in the order they finish. With overlap on, that is
+        while the next decode step runs on the device, so work done there (scoring an answer,
+        decoding its text) hides behind the generation of the others instead of waiting for the
+        last one. The same objects are returned."""
         requests = self._requests(prompts, params)
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+
+        def finish(r: _Request) -> None:
+            outputs[r.index] = out = r.output(self.tokenizer)
+            if on_finish is not None:
+                on_finish(out)
+
+        for r in requests:
+            if r.finish_reason is not None:
+                finish(r)
         for _ in self._run(requests, progress):   # a list of the step's new tokens at a time
-            pass
-        return [r.output(self.tokenizer) for r in requests]
+            while self._finished:
+                finish(self._finished.pop())
+        for r in requests:          # (every request finishes in a step; this only guards the bookkeeping)
+            if outputs[r.index] is None:
+                finish(r)
+        return outputs
 
     def stream(self, prompts, params=None, progress: bool | None = False) -> Iterator[tuple[int, int, str]]:
         """Like :meth:`generate`, yielding ``(request index, token id, text piece)`` as each token is
@@ -415,6 +437,7 @@ class LLM:
         the host's time per token counts)."""
         from tqdm.auto import tqdm
         self.stats = s = self._empty_stats()
+        self._finished: list[_Request] = []   # finished since generate last looked (_accept appends)
         if self.device.type == "cuda":
             s["decode_device_seconds"] = 0.0
         self._check_weights()
@@ -510,6 +533,7 @@ class LLM:
             events.append((r, t))
             if r.finish_reason is not None:
                 done = True
+                self._finished.append(r)
                 if r.device_len <= r.length:   # no step in flight holds it
                     self._release(r)
         if done:
