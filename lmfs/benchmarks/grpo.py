@@ -365,7 +365,8 @@ def _print(result: dict) -> None:
     print(f"lmfs rollout per step: {r['wall_seconds']:.3f} s wall; decode {device} {r['decode_seconds']:.3f} s wall "
           f"({r['decode_wait_seconds']:.3f} s of it waiting for tokens), {r['overlapped_steps']:.0f} of "
           f"{r['decode_steps']:.0f} decode steps launched while the one before ran; "
-          f"prefill {r['prefill_seconds']:.3f} s")
+          f"prefill {r['prefill_seconds']:.3f} s; outside both (requests, admission, outputs, texts) "
+          f"{r['wall_seconds'] - r['prefill_seconds'] - r['decode_seconds']:.3f} s")
     print(f"lmfs update per step: {u['seconds']:.3f} s = {u['micro_batches']} micro-batch(es) of up to "
           f"{s['micro_batch']} sequences x {u['seconds_per_micro_batch'] * 1e3:.1f} ms (forward + backward, "
           f"gradient clipping included) "
