@@ -272,7 +272,7 @@ def test_packed_response_logprobs_equal_the_padded_ones(variant, monkeypatch):
     assert (across - logp).abs().max() > 1e-3           # (100x the tolerance above)
 
 
-def test_packed_response_logprobs_refuse_a_plain_model_and_bad_lengths():
+def test_packed_response_logprobs_refuse_a_plain_model_and_bad_lengths(monkeypatch):
     from lmfs.kernels.fused import fuse_model
 
     model = TransformerLM(TransformerConfig(vocab_size=50, context_length=32, d_model=16, n_layers=1, n_heads=2))
@@ -284,6 +284,9 @@ def test_packed_response_logprobs_refuse_a_plain_model_and_bad_lengths():
         packed_response_logprobs(model, ids, mask, lengths[:-1])
     with pytest.raises(ValueError, match="lengths must give"):
         packed_response_logprobs(model, ids, mask, [0] + lengths[1:])
+    monkeypatch.setattr("lmfs.kernels.fused.MASKED_PACKING_TOKENS", sum(lengths) - 1)
+    with pytest.raises(ValueError, match="without flash attention"):
+        packed_response_logprobs(model, ids, mask, lengths)
 
 
 def test_accumulated_gradient_equals_full_batch(tok):

@@ -85,7 +85,8 @@ class GRPOConfig:
     ``packed_update`` (needs ``fused_update``): the update's forward runs on the batch's sequences
     packed into one row, each attending only to itself, instead of right-padded to the longest
     (:func:`~lmfs.alignment.sft.packed_response_logprobs`: the same log-probs, without computing the
-    padding; variable-length flash attention on a GPU, a block-diagonal mask elsewhere);
+    padding; variable-length flash attention on a GPU, elsewhere a block-diagonal mask, for micro-batches
+    of at most :data:`~lmfs.kernels.fused.MASKED_PACKING_TOKENS` tokens);
     ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
     and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
     (0: never), with ``eval_samples`` answers per problem.

@@ -369,6 +369,10 @@ class FusedAttention(CausalSelfAttention):
 # Sequences packed into one row
 
 
+# Packed tokens at most on the masked path: its scores are (heads, N, N) floats (512 MB for 8 heads).
+MASKED_PACKING_TOKENS = 4096
+
+
 class PackedDocuments:
     """``lengths``: sequences laid one after another in a single row of ``sum(lengths)`` tokens.
 
@@ -418,6 +422,11 @@ class PackedDocuments:
             out = flash_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), bounds, bounds,
                                self.longest, self.longest, window)      # (N, H, d)
             return out.transpose(0, 1)[None]
+        if self.total > MASKED_PACKING_TOKENS:
+            raise ValueError(f"{self.total} packed tokens: without flash attention (a CUDA GPU, 16-bit queries, no "
+                             f"soft-cap) packing builds an {self.total} x {self.total} mask and scores that large; "
+                             f"pack at most {MASKED_PACKING_TOKENS} tokens here, or pad instead "
+                             "(GRPOConfig(packed_update=False))")
         allowed = self.mask(q.device, window)
         if softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
