@@ -9,6 +9,7 @@ import torch
 
 from lmfs.alignment.grpo import GRPOConfig, GRPOTrainer, batch_tensors
 from lmfs.alignment.pg import aggregate, kl_estimate, pg_loss
+from lmfs.alignment import sft
 from lmfs.alignment.sft import SPECIAL_TOKENS, response_logprobs
 from lmfs.alignment.tasks import Problem, arithmetic_problems
 from lmfs.eval import pass_at_k
@@ -144,17 +145,26 @@ def test_fused_update_keeps_parameters_and_trains_as_the_plain_modules():
             == [(o.token_ids, o.logprobs) for o in fresh])
 
 
-def test_packed_update_trains_as_the_padded_one():
-    """packed_update computes the update's forward on the sequences packed into one row (no padding):
-    the same rewards, losses and weights as the padded update, over several micro-batches and epochs."""
+def test_packed_update_trains_as_the_padded_one(monkeypatch):
+    """packed_update computes the update's forward (and the reference's) on the sequences packed into
+    one row (no padding): the same rewards, KL, losses and weights as the padded update, over several
+    micro-batches and epochs."""
+    import lmfs.alignment.grpo as grpo
+
+    calls = []
+    monkeypatch.setattr(grpo, "packed_response_logprobs",
+                        lambda model, *args: calls.append(model) or sft.packed_response_logprobs(model, *args))
     runs = {}
     for packed in (False, True):
         model, tok = tiny()
         torch.manual_seed(5)
-        tr = trainer(model, tok, lr=1e-2, packed_update=packed, micro_batch_size=3, epochs_per_batch=2)
+        tr = trainer(model, tok, lr=1e-2, packed_update=packed, micro_batch_size=3, epochs_per_batch=2, kl_coef=0.1)
         tr.train(2)
         runs[packed] = (tr.history, model.state_dict())
+    # per step: 3 micro-batches for the reference, 3 per epoch for the policy
+    assert sum(m is tr.reference for m in calls) == 2 * 3 and sum(m is model for m in calls) == 2 * 2 * 3
     assert runs[True][0].reward == runs[False][0].reward
+    assert runs[True][0].kl == pytest.approx(runs[False][0].kl, abs=1e-6)
     assert runs[True][0].loss == pytest.approx(runs[False][0].loss, abs=1e-5)
     for name, a in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][name], a, atol=1e-5, rtol=0, msg=name)

@@ -455,13 +455,27 @@ class GRPOTrainer:
         return torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
 
     @torch.no_grad()
-    def logprobs_of(self, model, batches) -> list[torch.Tensor]:
-        """``model``'s per-token log-probs ``(b, L-1)`` of every micro-batch (phase 3)."""
+    def logprobs_of(self, model, batches, rollout: Rollout | None = None) -> list[torch.Tensor]:
+        """``model``'s per-token log-probs ``(b, L-1)`` of every micro-batch (phase 3); packed as the
+        update is (``packed_update``) when given the ``rollout`` the batches came from."""
         out = []
-        for _, ids, mask in batches:
+        for rows, ids, mask in batches:
             with self._autocast():
-                out.append(response_logprobs(model, ids, mask)[0].float())
+                out.append(self._response_logprobs(model, rollout, rows, ids, mask)[0].float())
         return out
+
+    def _response_logprobs(self, model, rollout: Rollout | None, rows, ids, mask):
+        """:func:`~lmfs.alignment.sft.response_logprobs` of one micro-batch, or with ``packed_update``
+        (and the ``rollout``, for the sequences' lengths) the packed computation of the same, where
+        ``model``'s attention can keep packed sequences apart (a reference passed in may be plain)."""
+        if self.config.packed_update and rollout is not None:
+            from lmfs.kernels.fused import FusedAttention
+            from lmfs.nn import CausalSelfAttention
+
+            if all(isinstance(m, FusedAttention) for m in model.modules() if isinstance(m, CausalSelfAttention)):
+                lengths = [len(rollout.prompt_ids[i]) + len(rollout.response_ids[i]) for i in rows]
+                return packed_response_logprobs(model, ids, mask, lengths)
+        return response_logprobs(model, ids, mask)
 
     def _weights(self, rollout: Rollout, batches) -> list[float]:
         """The share of the whole batch's loss each micro-batch carries, so the accumulated gradient
@@ -492,15 +506,11 @@ class GRPOTrainer:
         # host wait for the GPU every time instead of queueing the next micro-batch's work.
         zero = torch.zeros((), device=self.device)
         old_logps, entropy_sum, kl_sum = [], zero, zero
-        lengths = [[len(rollout.prompt_ids[i]) + len(rollout.response_ids[i]) for i in rows] for rows, _, _ in batches]
         for epoch in range(c.epochs_per_batch):
             loss_sum, clipped = zero, zero
             for j, ((rows, ids, mask), w) in enumerate(zip(batches, weights)):
                 with self._autocast():
-                    if c.packed_update:
-                        logp, entropy = packed_response_logprobs(self.policy, ids, mask, lengths[j])
-                    else:
-                        logp, entropy = response_logprobs(self.policy, ids, mask)
+                    logp, entropy = self._response_logprobs(self.policy, rollout, rows, ids, mask)
                 logp = logp.float()
                 if epoch == 0:
                     old_logps.append(logp.detach())
@@ -555,7 +565,7 @@ class GRPOTrainer:
         indices = self.sample_problems(self.step)
         rollout = phase("rollout", lambda: self.rollout(indices))
         rollout, batches = phase("reward", lambda: (self.score(rollout), self.micro_batches(rollout)))
-        ref = phase("reference", lambda: self.logprobs_of(self.reference, batches) if self.reference else None)
+        ref = phase("reference", lambda: self.logprobs_of(self.reference, batches, rollout) if self.reference else None)
         stats = phase("update", lambda: self.update(rollout, batches, ref))
         grouped = rollout.rewards.view(-1, c.group_size)
         self.last_rollout = rollout
