@@ -236,8 +236,10 @@ def _ragged_batch(vocab=50, rows=6, seed=1):
     from lmfs.alignment.grpo import batch_tensors
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (rows,), generator=g)]
-    responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (rows,), generator=g)]
+    prompts = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 6, (rows,), generator=g)]
+    responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
+                 for n in torch.randint(1, 12, (rows,), generator=g)]
     responses[2] = []
     ids, mask = batch_tensors(prompts, responses)
     return ids, mask, [len(p) + len(r) for p, r in zip(prompts, responses)]

@@ -172,7 +172,7 @@ def packed_response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
     (:func:`lmfs.kernels.fused.packed_documents`), and the results are laid back out as ``(B, T-1)``.
 
     The same numbers as :func:`response_logprobs` up to rounding, with fewer tokens computed when
-    the lengths differ (a GRPO batch padded to its longest answer is a fifth to a third padding).
+    the lengths differ (the GRPO benchmark's batch, padded to its longest answer, is about a sixth padding).
     ``model`` must be made by :func:`lmfs.kernels.fused.fuse_model` (its attention is what keeps the
     sequences apart); a plain model is refused (``TypeError``), since it would let each sequence
     read the ones before it. ``mask`` as for :func:`response_logprobs`.

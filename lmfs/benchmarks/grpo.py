@@ -16,9 +16,9 @@ KL penalty (so neither runs a reference model), one epoch per batch (so neither 
 log-probs), fp32 weights (bf16 autocast on CUDA: lmfs's update and rollouts both compute
 under it, ``--autocast off`` computes lmfs's in fp32; ``--no-fused-update`` trains through the plain
 modules instead of :func:`lmfs.kernels.fused.fuse_model`'s; ``--packed-update`` runs lmfs's update on
-the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``). A random model seldom produces its stop
-token, so nearly every response runs to the limit in both: equal work; the mean response lengths
-are printed to show it. The engine's flags (CUDA graphs, fused decode, autocast) are printed with
+the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``). A random
+model seldom produces its stop token, so most responses run to the limit in both: equal work; the
+mean response lengths are printed to show it. The engine's flags (CUDA graphs, fused decode, autocast) are printed with
 lmfs's row, and where the step goes: the rollout's decode device time against its wall time (the
 rest is the host's work and waits), how many decode steps were launched while the one before was
 in flight, and the update's time per micro-batch (the update without its optimizer step, divided
@@ -373,8 +373,9 @@ def _print(result: dict) -> None:
           f"+ optimizer step {u['optimizer_seconds'] * 1e3:.1f} ms")
     if "tokens" in u:
         computed = u["tokens"] if lm["engine"].get("packed_update") else u["padded_tokens"]
+        how = "packed" if computed == u["tokens"] else "padded"
         print(f"lmfs update tokens (last step): {u['tokens']:,} in the sequences, {u['padded_tokens']:,} padded to "
-              f"each micro-batch's longest; {computed:,} computed ({'packed' if computed == u['tokens'] else 'padded'})")
+              f"each micro-batch's longest; {computed:,} computed ({how})")
     if "ratio" in result:
         print(f"lmfs / TRL samples/s: {result['ratio']:.3g}x")
     else:
