@@ -13,14 +13,32 @@ def small_model():
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-def run(model, optimizer, steps=5):
+def run(model, optimizer, steps=5, skip=0):
+    """``steps`` optimizer steps on fixed batches; the first ``skip`` batches are drawn, not stepped on
+    (to continue a run that took them)."""
     data = torch.Generator().manual_seed(1)
-    for _ in range(steps):
+    for step in range(steps):
         x, y = torch.randn(16, 6, generator=data), torch.randn(16, 3, generator=data)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+        if step >= skip:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
     return [p.detach() for p in model.parameters()]
+
+
+def resume_in(first, second):
+    """Three steps of optimizer ``first``, its state dict (through adam_state_for) into ``second`` on
+    the same parameters, two more steps: checks the parameters equal five steps of ``first``
+    throughout. ``first`` and ``second`` build an optimizer from parameters; returns the second."""
+    a, b = small_model(), small_model()
+    want = run(a, first(a.parameters()), steps=5)
+    opt = first(b.parameters())
+    run(b, opt, steps=3)
+    other = second(b.parameters())
+    other.load_state_dict(adam_state_for(other, copy.deepcopy(opt.state_dict())))
+    for g, w in zip(run(b, other, steps=5, skip=3), want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    return other
 
 
 CASES = [
@@ -59,22 +77,8 @@ def test_adam_state_moves_between_ours_and_torchs(first, second):
     """Three steps of one, its state dict into the other, two more steps: the same parameters as
     five steps of one optimizer throughout (the moments and the bias correction's step carry over)."""
     kwargs = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    a, b = small_model(), small_model()
-    want = run(a, first(a.parameters(), **kwargs), steps=5)
-    opt = first(b.parameters(), **kwargs)
-    run(b, opt, steps=3)
-    other = second(b.parameters(), **kwargs)
-    other.load_state_dict(adam_state_for(other, copy.deepcopy(opt.state_dict())))
-    data = torch.Generator().manual_seed(1)
-    for step in range(5):       # the same batches as run()'s steps 4 and 5
-        x, y = torch.randn(16, 6, generator=data), torch.randn(16, 3, generator=data)
-        if step >= 3:
-            other.zero_grad()
-            torch.nn.functional.mse_loss(b(x), y).backward()
-            other.step()
-    for g, w in zip(b.parameters(), want):
-        torch.testing.assert_close(g.detach(), w, atol=1e-6, rtol=1e-6)
-    sgd = torch.optim.SGD(b.parameters(), lr=0.1)
+    resume_in(lambda p: first(p, **kwargs), lambda p: second(p, **kwargs))
+    sgd = torch.optim.SGD(small_model().parameters(), lr=0.1)
     assert adam_state_for(sgd, sgd.state_dict()) == sgd.state_dict()   # not an Adam: as it is
 
 
@@ -84,22 +88,8 @@ def test_a_foreach_adamw_checkpoint_resumes_as_fused():
     in all equal five of one optimizer."""
     kwargs = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     for first in (lambda p: torch.optim.AdamW(p, foreach=True, **kwargs), lambda p: AdamW(p, **kwargs)):
-        a, b = small_model(), small_model()
-        want = run(a, first(a.parameters()), steps=5)
-        opt = first(b.parameters())
-        run(b, opt, steps=3)
-        fused = torch.optim.AdamW(b.parameters(), fused=True, **kwargs)
-        fused.load_state_dict(adam_state_for(fused, copy.deepcopy(opt.state_dict())))
+        fused = resume_in(first, lambda p: torch.optim.AdamW(p, fused=True, **kwargs))
         assert fused.param_groups[0]["fused"] and not fused.param_groups[0]["foreach"]
-        data = torch.Generator().manual_seed(1)
-        for step in range(5):
-            x, y = torch.randn(16, 6, generator=data), torch.randn(16, 3, generator=data)
-            if step >= 3:
-                fused.zero_grad()
-                torch.nn.functional.mse_loss(b(x), y).backward()
-                fused.step()
-        for g, w in zip(b.parameters(), want):
-            torch.testing.assert_close(g.detach(), w, atol=1e-6, rtol=1e-6)
 
 
 def test_optimizer_skips_params_without_grad_and_supports_groups():
