@@ -469,10 +469,9 @@ class GRPOTrainer:
         (and the ``rollout``, for the sequences' lengths) the packed computation of the same, where
         ``model``'s attention can keep packed sequences apart (a reference passed in may be plain)."""
         if self.config.packed_update and rollout is not None:
-            from lmfs.kernels.fused import FusedAttention
-            from lmfs.nn import CausalSelfAttention
+            from lmfs.kernels.fused import keeps_sequences_apart
 
-            if all(isinstance(m, FusedAttention) for m in model.modules() if isinstance(m, CausalSelfAttention)):
+            if keeps_sequences_apart(model):
                 lengths = [len(rollout.prompt_ids[i]) + len(rollout.response_ids[i]) for i in rows]
                 return packed_response_logprobs(model, ids, mask, lengths)
         return response_logprobs(model, ids, mask)

@@ -259,7 +259,7 @@ class LLM:
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
         self._pending: _Step | None = None    # the decode step in flight, its tokens not read yet
-        self._finished: list[_Request] = []
+        self._finished: list[_Request] = []   # finished since generate last looked (_accept appends)
         self.stats = self._empty_stats()
 
     # ------------------------------------------------------------------------------------------
@@ -384,11 +384,9 @@ class LLM:
             if r.finish_reason is not None:
                 finish(r)
         for _ in self._run(requests, progress):   # a list of the step's new tokens at a time
-            while self._finished:
-                finish(self._finished.pop())
-        for r in requests:          # (every request finishes in a step; this only guards the bookkeeping)
-            if outputs[r.index] is None:
+            for r in self._finished:   # every request that runs finishes in _accept, which lists it here
                 finish(r)
+            self._finished.clear()
         return outputs
 
     def stream(self, prompts, params=None, progress: bool | None = False) -> Iterator[tuple[int, int, str]]:
@@ -437,7 +435,7 @@ class LLM:
         the host's time per token counts)."""
         from tqdm.auto import tqdm
         self.stats = s = self._empty_stats()
-        self._finished: list[_Request] = []   # finished since generate last looked (_accept appends)
+        self._finished = []
         if self.device.type == "cuda":
             s["decode_device_seconds"] = 0.0
         self._check_weights()

@@ -434,6 +434,13 @@ class PackedDocuments:
         return attention_reference(q, k, v, blocked, softcap)
 
 
+def keeps_sequences_apart(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has attention and all of it is :class:`FusedAttention`, which
+    :func:`packed_documents` can keep to each packed sequence."""
+    attention = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    return bool(attention) and all(isinstance(m, FusedAttention) for m in attention)
+
+
 @contextlib.contextmanager
 def packed_documents(model: torch.nn.Module, lengths: Sequence[int]):
     """Within the block, every attention module of ``model`` treats its input as the sequences of
@@ -443,8 +450,8 @@ def packed_documents(model: torch.nn.Module, lengths: Sequence[int]):
     :class:`~lmfs.nn.CausalSelfAttention` would attend across the sequences, so a model with one is
     refused (``TypeError``)."""
     attention = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
-    plain = [type(m).__name__ for m in attention if not isinstance(m, FusedAttention)]
-    if plain or not attention:
+    if not keeps_sequences_apart(model):
+        plain = [type(m).__name__ for m in attention if not isinstance(m, FusedAttention)]
         raise TypeError(f"packed_documents needs attention that keeps packed sequences apart, but the model has "
                         f"{plain[0] if plain else 'no attention module'}: fuse it first "
                         "(lmfs.kernels.fused.fuse_model)")
