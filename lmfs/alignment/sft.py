@@ -201,7 +201,7 @@ def packed_response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
     flat = input_ids.reshape(-1)[where]                                        # (N,) the sequences, in order
     with packed_documents(model, lengths):
         # hidden + head, not forward: the row is longer than the context, each sequence in it is not
-        logits = model.head(model.hidden(flat[None], upload(position, device)))[0]     # (N, V)
+        logits = model.head(model.hidden(flat[None], upload(position, device))).squeeze(0)     # (N, V)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     # Token i predicts token i + 1; each sequence's last token "predicts" the next one's first, which
     # no mask selects.

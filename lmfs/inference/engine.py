@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import time
 import warnings
 from collections import deque
@@ -112,6 +113,11 @@ class _Request:
         self.row: int | None = None   # row in the engine's device state while running
         self.blocks: list[int] = []
         self.end = 0                  # the length at which it ends by length (set by the engine)
+        # what the engine checks each new token against before calling _finish (set with `end`):
+        # most tokens end nothing, and the decode loop runs once per token of every request
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.max_out = 0              # end - len(prompt): the output length that ends it by length
+        self.watch_text = False       # stop strings: the text is decoded after every token
         self.device_len = 0           # its length on the device: the tokens read so far plus those in flight
 
     @property
@@ -154,6 +160,9 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt")
     return params
+
+
+_device_len = operator.attrgetter("device_len")
 
 
 def _finish(req: _Request, context_length: int, tokenizer) -> None:
@@ -407,6 +416,8 @@ class LLM:
         ctx = self.config.context_length
         for r in requests:
             r.end = min(len(r.prompt) + r.params.max_tokens, ctx)
+            r.max_out = r.end - len(r.prompt)
+            r.watch_text = self.tokenizer is not None and bool(r.params.stop)
             r.error = self._problem(r)
             if r.error:
                 r.finish_reason = "error"
@@ -527,8 +538,11 @@ class LLM:
             t = int(t)
             r.out.append(t)
             r.logprobs.append(lp)
-            _finish(r, ctx, tokenizer)
             events.append((r, t))
+            # _finish's own tests, cheapest first, so that it runs only for a token that may end r
+            if not (r.watch_text or t in r.stop_ids or len(r.out) >= r.max_out):
+                continue
+            _finish(r, ctx, tokenizer)
             if r.finish_reason is not None:
                 done = True
                 self._finished.append(r)
@@ -685,7 +699,10 @@ class LLM:
             return self._state
         params = [r.params for r in batch]
         temps = [p.temperature for p in params]
-        state = dict(row_list=rows, params=params, generators=[r.generator for r in batch], size=len(rows),
+        generators = [r.generator for r in batch]
+        if all(g is None for g in generators):   # none seeded: draw_uniforms then skips its loop
+            generators = None
+        state = dict(row_list=rows, params=params, generators=generators, size=len(rows),
                      plain=all(p.plain for p in params), greedy=all(p.greedy for p in params),
                      host_tokens=any(p.repetition_penalty != 1 for p in params))
         if self.cuda_graphs:
@@ -702,7 +719,7 @@ class LLM:
         s, used = self.stats, self.allocator.num_used
         s["peak_kv_blocks"] = max(s["peak_kv_blocks"], used)
         s["kv_bytes_in_use"] += used * self.cache.block_bytes
-        s["kv_bytes_of_tokens"] += self.cache.bytes_of_tokens(sum(r.device_len for r in running))
+        s["kv_bytes_of_tokens"] += self.cache.bytes_of_tokens(sum(map(_device_len, running)))
 
     # ------------------------------------------------------------------------------------------
     # The decode step, plain or through CUDA graphs

@@ -327,11 +327,11 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
 
 
 def upload(values, device, dtype=torch.long) -> torch.Tensor:
-    """Host ``values`` (a list, or nested lists) as a tensor on ``device``; on CUDA copied through
-    pinned memory without waiting, so that the host does not stall until the device has run the
-    work queued before the copy (a plain copy from pageable memory would)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
+    """Host ``values`` (a list, nested lists or a numpy array) as a tensor on ``device`` (None: the
+    CPU); on CUDA copied through pinned memory without waiting, so that the host does not stall
+    until the device has run the work queued before the copy (a plain copy from pageable memory would)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device is not None and torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
