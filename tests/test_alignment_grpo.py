@@ -397,13 +397,20 @@ def test_benchmark_runs_tiny(tmp_path, capsys):
     from lmfs.benchmarks.grpo import main
 
     path = tmp_path / "grpo.json"
-    result = main(["--tiny", "--steps", "1", "--json", str(path)])
+    result = main(["--tiny", "--steps", "1", "--profile", "--json", str(path)])
     saved = json.loads(path.read_text())
     assert saved["lmfs"]["samples_per_s"] > 0 and 0 < saved["lmfs"]["useful_generation_share"] <= 1
     assert set(saved["lmfs"]["phase_share"]) >= {"rollout", "update"}
     if "error" not in result["trl"]:
         assert result["trl"]["samples_per_s"] > 0 and result["ratio"] > 0
-    assert "samples/s" in capsys.readouterr().out
+    # the profiled step: one rollout with one call of each of its parts per step or per decode step
+    parts = saved["lmfs"]["profile"]["parts"]
+    assert parts["rollout"]["calls"] == parts["update"]["calls"] == parts["reward"]["calls"] == 1
+    assert parts["decode steps"]["calls"] >= 1 and parts["prefill"]["calls"] >= 1
+    assert parts["rollout"]["wall"] >= parts["prefill"]["wall"] + parts["decode steps"]["wall"]
+    assert saved["lmfs"]["profile"]["wall"] >= parts["rollout"]["wall"] + parts["update"]["wall"]
+    out = capsys.readouterr().out
+    assert "samples/s" in out and "under the profiler" in out
 
 
 def test_forward_timer_times_every_prefill_and_decode_step():

@@ -12,7 +12,7 @@ from lmfs.benchmarks.__main__ import main as bench_main
 from lmfs.bench.probes import copy_bandwidth, matmul_rate, strided_copy_bandwidth
 from lmfs.bench.roofline import (arithmetic_intensity, attainable_flops, matmul_intensity, plot_roofline,
                                  predicted_matmul_rate, ridge_point, tile_waves)
-from lmfs.bench.timing import Timing, benchmark, profile_table
+from lmfs.bench.timing import Timing, benchmark, device_timeline, profile_table, timeline_of
 
 matplotlib.use("Agg")
 
@@ -60,6 +60,60 @@ def test_profile_table_lists_what_ran():
     assert kinds["matmul"] > 0  # x @ x
     if not torch.cuda.is_available():
         assert any("aten::" in name for name in table["name"])
+
+
+def _trace(ranges, kernels, ops):
+    """Chrome-trace events as torch.profiler writes them (µs)."""
+    return ([{"cat": "user_annotation", "name": f"part/{n}", "ts": a, "dur": b - a} for n, a, b in ranges]
+            + [{"cat": "kernel", "name": "k", "ts": a, "dur": b - a} for a, b in kernels]
+            + [{"cat": "cpu_op", "name": n, "ts": a, "dur": b - a} for n, a, b in ops])
+
+
+def test_timeline_of_a_hand_made_trace():
+    events = _trace([("(run)", 0, 1000), ("a", 100, 300), ("a", 500, 600), ("b", 150, 200)],
+                    [(0, 60), (120, 180), (250, 400), (550, 560), (900, 950), (130, 170)],
+                    [("aten::x", 60, 110), ("aten::copy_", 60, 80), ("aten::y", 400, 450)])
+    t = timeline_of(events, ["a", "b"], gaps=3)
+    assert t["wall"] == pytest.approx(1.0) and t["busy"] == pytest.approx(0.33)   # overlapping kernels once
+    assert t["parts"]["a"] == pytest.approx({"calls": 2, "wall": 0.3, "busy": 0.12})
+    assert t["parts"]["b"] == pytest.approx({"calls": 1, "wall": 0.05, "busy": 0.03})
+    # the three longest idle stretches, in time order; (180, 250) lies in part a (then b, which ended)
+    assert [(g["at"], g["ms"], g["part"]) for g in t["gaps"]] == [
+        (pytest.approx(0.18), pytest.approx(0.07), "a"), (pytest.approx(0.4), pytest.approx(0.15), "(run)"),
+        (pytest.approx(0.56), pytest.approx(0.34), "(run)")]
+    assert t["gaps"][1]["ops"] == {"aten::y": pytest.approx(0.05)}
+    first = timeline_of(events, ["a"], gaps=5)["gaps"][0]      # the outermost operator only, not its copy_
+    assert first["part"] == "(run)" and first["ops"] == {"aten::x": pytest.approx(0.05)}
+
+
+def test_timeline_busy_time_equals_a_brute_force_count():
+    import random
+    rng = random.Random(0)
+    kernels = [(s, s + rng.randrange(1, 30)) for s in sorted(rng.sample(range(2000), 80))]
+    spans = sorted(rng.sample(range(2000), 20))
+    parts = [("p", a, b) for a, b in zip(spans[::2], spans[1::2])]
+    t = timeline_of(_trace([("(run)", 0, 2100), *parts], kernels, []), ["p"])
+    covered = {x for a, b in kernels for x in range(a, b)}                      # busy µs, counted one by one
+    inside = sum(1 for _, a, b in parts for x in range(a, b) if x in covered)
+    assert t["busy"] == pytest.approx(len(covered) / 1e3)
+    assert t["parts"]["p"]["busy"] == pytest.approx(inside / 1e3)
+
+
+def test_device_timeline_wraps_methods_and_puts_them_back():
+    class Work:
+        def step(self, x):
+            return (x * 2).sum()
+
+    w = Work()
+    w.other = w.step        # an instance attribute already there comes back as it was
+    before = w.other
+    t = device_timeline(lambda: [w.step(torch.ones(4)), w.other(torch.ones(4))],
+                        {"step": (w, "step"), "other": (w, "other")})
+    assert t["parts"]["step"]["calls"] == 1 and t["parts"]["other"]["calls"] == 1
+    assert "step" not in vars(w) and w.other is before
+    assert t["wall"] >= t["parts"]["step"]["wall"] > 0
+    if not torch.cuda.is_available():
+        assert t["busy"] is None and t["gaps"] == []
 
 
 def test_kernel_kinds_of_names_seen_on_an_h200():

@@ -19,6 +19,8 @@ around it measures the launch, not the work. The procedure :func:`benchmark` fol
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -175,3 +177,129 @@ def kernel_kind(name: str) -> str:
         if any(fragment in lower for fragment in fragments):
             return kind
     return "other"
+
+
+def device_timeline(fn: Callable[[], object], parts: dict[str, tuple[object, str]] | None = None,
+                    gaps: int = 8) -> dict:
+    """Run ``fn`` once under ``torch.profiler`` and say where the GPU sat idle, and what the host
+    was doing meanwhile: the question to ask of work made of many small steps (a rollout's decode
+    loop, a prefill, the bookkeeping between phases), where the host, not the GPU, may set the pace.
+
+    ``parts`` name methods to watch: ``{"prefill": (engine, "_prefill"), ...}``; each is wrapped in
+    a ``record_function`` range for the run (the originals are put back afterwards). Returns, in ms:
+
+    * ``wall`` and ``busy``: the run's host time and, within it, the time the GPU ran anything
+      (kernels, copies, fills; overlapping ones counted once);
+    * ``parts``: per part, ``calls``, ``wall`` (its ranges' host time summed) and ``busy`` (the GPU's
+      busy time within them): ``wall - busy`` is what the GPU waited for while that part ran;
+    * ``gaps``: the ``gaps`` longest stretches with nothing on the GPU between its first and last
+      work of the run: ``at`` (from the start of the run), ``ms``, the innermost watched ``part`` the
+      host was in at the middle of the gap, and the host's outermost operators overlapping it
+      (``ops``: name -> ms). A host function that launches no operator (pure Python) shows only
+      its part.
+
+    Off CUDA there is no device timeline: ``busy`` is None and ``gaps`` empty.
+
+    >>> class Work:
+    ...     def step(self): return torch.ones(8).sum()
+    >>> w = Work()
+    >>> t = device_timeline(lambda: [w.step() for _ in range(3)], {"step": (w, "step")})
+    >>> t["parts"]["step"]["calls"], "step" in vars(w)
+    (3, False)
+    """
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available()
+    saved = []
+    for name, (obj, attr) in (parts or {}).items():
+        method = getattr(obj, attr)
+
+        def ranged(*args, _method=method, _name=f"part/{name}", **kwargs):
+            with record_function(_name):
+                return _method(*args, **kwargs)
+
+        saved.append((obj, attr, vars(obj).get(attr)))   # an instance attribute to put back, or None
+        setattr(obj, attr, ranged)
+    try:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof, record_function("part/(run)"):
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            events = json.load(open(f.name))["traceEvents"]
+    finally:
+        for obj, attr, before in reversed(saved):
+            if before is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, before)
+    return timeline_of(events, list(parts or {}), gaps, cuda)
+
+
+def timeline_of(events: list[dict], parts: list[str], gaps: int = 8, cuda: bool = True) -> dict:
+    """:func:`device_timeline`'s analysis of a Chrome trace's ``traceEvents`` (what
+    ``torch.profiler``'s ``export_chrome_trace`` writes): the host ranges ``part/<name>`` (and
+    ``part/(run)`` around everything), the device's work (categories ``kernel``, ``gpu_memcpy``,
+    ``gpu_memset``) and the host's operators (``cpu_op``), times in µs."""
+    ranges = [(e["ts"], e["ts"] + e["dur"], e["name"][5:]) for e in events
+              if e.get("cat") == "user_annotation" and e.get("name", "").startswith("part/")]
+    run = next(r for r in ranges if r[2] == "(run)")
+    device = _merged([(e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
+
+    starts, ends = [s for s, _ in device], [e for _, e in device]
+    done = list(itertools.accumulate((e - s for s, e in device), initial=0.0))   # busy time before each
+
+    def busy_in(spans) -> float:
+        """The device's busy time within the host intervals ``spans`` (disjoint)."""
+        total = 0.0
+        for a, b in spans:
+            i, j = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)   # device[i:j] overlap [a, b]
+            if i < j:
+                total += done[j] - done[i] - max(0.0, a - starts[i]) - max(0.0, ends[j - 1] - b)
+        return total
+
+    out = {"wall": (run[1] - run[0]) / 1e3, "busy": busy_in([run[:2]]) / 1e3 if cuda else None, "parts": {},
+           "gaps": []}
+    for name in parts:
+        spans = _merged([r[:2] for r in ranges if r[2] == name])
+        out["parts"][name] = {"calls": sum(r[2] == name for r in ranges),
+                              "wall": sum(b - a for a, b in spans) / 1e3,
+                              "busy": busy_in(spans) / 1e3 if cuda else None}
+    if not cuda or len(device) < 2:
+        return out
+    ops = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "cpu_op"),
+                 key=lambda o: (o[0], -o[1]))
+    outermost, end = [], float("-inf")       # operators not inside another one (aten::to, not its copy_)
+    for op in ops:
+        if op[0] >= end:
+            outermost.append(op)
+            end = op[1]
+    idle = sorted(((a[1], b[0]) for a, b in zip(device, device[1:])), key=lambda g: g[0] - g[1])[:gaps]
+    for s, e in sorted(idle):
+        mid = (s + e) / 2
+        inside = [r for r in ranges if r[0] <= mid <= r[1]]
+        part = min(inside, key=lambda r: r[1] - r[0])[2] if inside else "(none)"
+        spent: dict[str, float] = {}
+        for a, b, name in outermost:
+            if a < e and b > s:
+                spent[name] = spent.get(name, 0.0) + (min(b, e) - max(a, s)) / 1e3
+        top = dict(sorted(spent.items(), key=lambda kv: -kv[1])[:4])
+        out["gaps"].append({"at": (s - run[0]) / 1e3, "ms": (e - s) / 1e3, "part": part, "ops": top})
+    return out
+
+
+def _merged(spans) -> list[tuple[float, float]]:
+    """Intervals ``(start, end)`` merged where they overlap, in order."""
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]

@@ -1,7 +1,7 @@
 """One GRPO step: where its time goes, and lmfs's trainer vs TRL's ``GRPOTrainer``.
 
     python -m lmfs.benchmarks grpo [--json results/h200/grpo.json] [--tiny] [--steps N] [--no-trl]
-                                   [--autocast off] [--no-fused-update] [--packed-update]
+                                   [--autocast off] [--no-fused-update] [--packed-update] [--profile]
 
 Both trainers run the same task (the held-out-free train split of the course's arithmetic problems,
 in the chat template of :mod:`lmfs.alignment.sft`, rewarded by
@@ -16,7 +16,9 @@ KL penalty (so neither runs a reference model), one epoch per batch (so neither 
 log-probs), fp32 weights (bf16 autocast on CUDA: lmfs's update and rollouts both compute
 under it, ``--autocast off`` computes lmfs's in fp32; ``--no-fused-update`` trains through the plain
 modules instead of :func:`lmfs.kernels.fused.fuse_model`'s; ``--packed-update`` runs lmfs's update on
-the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``). A random
+the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``; ``--profile``
+then runs one more step under the profiler and prints, per part of the step, its host time and the
+GPU's busy time in it, and the longest stretches the GPU sat idle with what the host did then). A random
 model seldom produces its stop token, so most responses run to the limit in both: equal work; the
 mean response lengths are printed to show it. The engine's flags (CUDA graphs, fused decode, autocast) are printed with
 lmfs's row, and where the step goes: the rollout's decode device time against its wall time (the
@@ -194,9 +196,10 @@ ROLLOUT_STATS = ("prefill_seconds", "decode_seconds", "decode_device_seconds", "
 
 
 def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_update: bool = True,
-             packed_update: bool = False) -> dict:
+             packed_update: bool = False, profile: bool = False) -> dict:
     """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
-    decode step is captured in a CUDA graph for each batch size met, one on the CPU)."""
+    decode step is captured in a CUDA graph for each batch size met, one on the CPU); with ``profile``,
+    then one more step under the profiler (:func:`profile_step`)."""
     from lmfs.alignment.grpo import PHASES, GRPOConfig, GRPOTrainer
     from lmfs.alignment.sft import end_id
 
@@ -234,7 +237,7 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     last = trainer.last_rollout
     tokens = [len(p) + len(r) for p, r in zip(last.prompt_ids, last.response_ids)]
     padded = sum(len(rows) * max(tokens[i] for i in rows) for rows, _, _ in trainer.micro_batches(last))
-    return dict(samples_per_s=config.batch_size * n / total, seconds_per_step=total / n,
+    result = dict(samples_per_s=config.batch_size * n / total, seconds_per_step=total / n,
                 useful_generation_share=sum(useful) / total,
                 useful_share_of_rollout=sum(useful) / phases["rollout"],
                 phase_share={p: s / total for p, s in phases.items()},
@@ -251,6 +254,24 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
                 engine={**{flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")},
                         "autocast": str(trainer.llm.autocast).removeprefix("torch.") if trainer.llm.autocast else None,
                         "fused_update": fused_update, "packed_update": packed_update})
+    if profile:
+        result["profile"] = profile_step(trainer)
+    return result
+
+
+def profile_step(trainer) -> dict:
+    """One more GRPO step under the profiler (:func:`lmfs.bench.timing.device_timeline`): for each
+    part of the step, its host time and the GPU's busy time within it, and the longest stretches
+    the GPU sat idle, with what the host was doing. The profiler slows the host, so the host's
+    parts take longer than in the timed steps; where the GPU waits is what it shows."""
+    from lmfs.bench.timing import device_timeline
+
+    llm = trainer.llm
+    parts = {"rollout": (trainer, "rollout"), "requests": (llm, "_requests"), "admission": (llm, "_admit"),
+             "prefill": (llm, "_prefill"), "decode steps": (llm, "_decode"), "reward": (trainer, "score"),
+             "batch": (trainer, "micro_batches"), "update": (trainer, "update"),
+             "optimizer": (trainer, "_optimizer_step")}
+    return device_timeline(lambda: trainer.train(trainer.step + 1), parts, gaps=10)
 
 
 def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
@@ -308,7 +329,7 @@ def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
 
 
 def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str = "auto",
-        fused_update: bool = True, packed_update: bool = False) -> dict:
+        fused_update: bool = True, packed_update: bool = False, profile: bool = False) -> dict:
     """Both measurements; prints the table; returns the numbers."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -320,7 +341,7 @@ def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "sizes": asdict(sizes),
               "params": model.num_params(), "batch": sizes.prompts * sizes.group_size}
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update, packed_update)
+    result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update, packed_update, profile)
     model.load_state_dict(initial)                       # TRL starts from the same weights
     gc.collect()
     if not trl:
@@ -376,10 +397,30 @@ def _print(result: dict) -> None:
         how = "packed" if computed == u["tokens"] else "padded"
         print(f"lmfs update tokens (last step): {u['tokens']:,} in the sequences, {u['padded_tokens']:,} padded to "
               f"each micro-batch's longest; {computed:,} computed ({how})")
+    if "profile" in lm:
+        _print_profile(lm["profile"])
     if "ratio" in result:
         print(f"lmfs / TRL samples/s: {result['ratio']:.3g}x")
     else:
         print("TRL is unavailable here: only lmfs's figures are reported")
+
+
+def _print_profile(p: dict) -> None:
+    import pandas as pd
+
+    gpu = p["busy"] is not None
+    print(f"\nlmfs, one more step under the profiler: {p['wall']:.1f} ms" +
+          (f", the GPU busy {p['busy']:.1f} ms of it" if gpu else " (no GPU timeline off CUDA)"))
+    rows = [{"part": name, "calls": v["calls"], "host ms": f"{v['wall']:.1f}",
+             **({"GPU busy ms": f"{v['busy']:.1f}", "GPU idle ms": f"{v['wall'] - v['busy']:.1f}"} if gpu else {})}
+            for name, v in p["parts"].items()]
+    print(pd.DataFrame(rows).to_string(index=False))
+    if p["gaps"]:
+        print("the longest stretches with the GPU idle (ms from the step's start: length, the part the host "
+              "was in, its operators there):")
+        for g in p["gaps"]:
+            ops = ", ".join(f"{name} {ms:.2f}" for name, ms in g["ops"].items()) or "no operator: Python"
+            print(f"  at {g['at']:7.1f}: {g['ms']:5.2f} ms in {g['part']} ({ops})")
 
 
 def main(argv=None) -> dict:
@@ -395,6 +436,8 @@ def main(argv=None) -> dict:
                         help="train lmfs's policy through the plain modules, not lmfs.kernels.fused's")
     parser.add_argument("--packed-update", action="store_true",
                         help="lmfs's update on the sequences packed into one row, not right-padded")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one more lmfs step under the profiler: where the GPU waits, and for what")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -402,6 +445,6 @@ def main(argv=None) -> dict:
     if args.steps is not None:
         sizes = Sizes(**{**asdict(sizes), "steps": args.steps})
     result = run(sizes, device, trl=not args.no_trl, autocast=args.autocast, fused_update=not args.no_fused_update,
-                 packed_update=args.packed_update)
+                 packed_update=args.packed_update, profile=args.profile)
     save_json(result, args.json)
     return result
