@@ -208,6 +208,7 @@ def device_timeline(fn: Callable[[], object], parts: dict[str, tuple[object, str
     (3, False)
     """
     import json
+    import os
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -229,9 +230,11 @@ def device_timeline(fn: Callable[[], object], parts: dict[str, tuple[object, str
             fn()
             if cuda:
                 torch.cuda.synchronize()
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            prof.export_chrome_trace(f.name)
-            events = json.load(open(f.name))["traceEvents"]
+        with tempfile.TemporaryDirectory() as folder:   # (a named temporary file cannot be reopened on Windows)
+            path = os.path.join(folder, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
     finally:
         for obj, attr, before in reversed(saved):
             if before is None:
