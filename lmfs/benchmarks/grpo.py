@@ -238,22 +238,23 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     tokens = [len(p) + len(r) for p, r in zip(last.prompt_ids, last.response_ids)]
     padded = sum(len(rows) * max(tokens[i] for i in rows) for rows, _, _ in trainer.micro_batches(last))
     result = dict(samples_per_s=config.batch_size * n / total, seconds_per_step=total / n,
-                useful_generation_share=sum(useful) / total,
-                useful_share_of_rollout=sum(useful) / phases["rollout"],
-                phase_share={p: s / total for p, s in phases.items()},
-                response_length=sum(h.response_length[-n:]) / n,
-                # per step: where the rollout's time went, the rollout's wall time, the update's parts
-                rollout={**{k: v / n for k, v in rollout.items()}, "wall_seconds": phases["rollout"] / n,
-                         "device_timed": cuda},
-                update={"seconds": phases["update"] / n, "micro_batches": micro_batches,
-                        "optimizer_seconds": optimizer_timer.seconds / n,
-                        "seconds_per_micro_batch": (phases["update"] - optimizer_timer.seconds) / n / micro_batches,
-                        "tokens": sum(tokens), "padded_tokens": padded},
-                # how the engine and the update ran (flags of lmfs.inference.LLM's stats; None where it
-                # does not report one)
-                engine={**{flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")},
-                        "autocast": str(trainer.llm.autocast).removeprefix("torch.") if trainer.llm.autocast else None,
-                        "fused_update": fused_update, "packed_update": packed_update})
+                  useful_generation_share=sum(useful) / total,
+                  useful_share_of_rollout=sum(useful) / phases["rollout"],
+                  phase_share={p: s / total for p, s in phases.items()},
+                  response_length=sum(h.response_length[-n:]) / n,
+                  # per step: where the rollout's time went, the rollout's wall time, the update's parts
+                  rollout={**{k: v / n for k, v in rollout.items()}, "wall_seconds": phases["rollout"] / n,
+                           "device_timed": cuda},
+                  update={"seconds": phases["update"] / n, "micro_batches": micro_batches,
+                          "optimizer_seconds": optimizer_timer.seconds / n,
+                          "seconds_per_micro_batch": (phases["update"] - optimizer_timer.seconds) / n / micro_batches,
+                          "tokens": sum(tokens), "padded_tokens": padded},
+                  # how the engine and the update ran (flags of lmfs.inference.LLM's stats; None where it
+                  # does not report one)
+                  engine={**{flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")},
+                          "autocast": (str(trainer.llm.autocast).removeprefix("torch.") if trainer.llm.autocast
+                                       else None),
+                          "fused_update": fused_update, "packed_update": packed_update})
     if profile:
         result["profile"] = profile_step(trainer)
     return result

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import time
 import warnings
 from collections import deque
@@ -113,11 +112,6 @@ class _Request:
         self.row: int | None = None   # row in the engine's device state while running
         self.blocks: list[int] = []
         self.end = 0                  # the length at which it ends by length (set by the engine)
-        # what the engine checks each new token against before calling _finish (set with `end`):
-        # most tokens end nothing, and the decode loop runs once per token of every request
-        self.stop_ids = frozenset(params.stop_token_ids)
-        self.max_out = 0              # end - len(prompt): the output length that ends it by length
-        self.watch_text = False       # stop strings: the text is decoded after every token
         self.device_len = 0           # its length on the device: the tokens read so far plus those in flight
 
     @property
@@ -160,9 +154,6 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt")
     return params
-
-
-_device_len = operator.attrgetter("device_len")
 
 
 def _finish(req: _Request, context_length: int, tokenizer) -> None:
@@ -416,8 +407,6 @@ class LLM:
         ctx = self.config.context_length
         for r in requests:
             r.end = min(len(r.prompt) + r.params.max_tokens, ctx)
-            r.max_out = r.end - len(r.prompt)
-            r.watch_text = self.tokenizer is not None and bool(r.params.stop)
             r.error = self._problem(r)
             if r.error:
                 r.finish_reason = "error"
@@ -539,8 +528,9 @@ class LLM:
             r.out.append(t)
             r.logprobs.append(lp)
             events.append((r, t))
-            # _finish's own tests, cheapest first, so that it runs only for a token that may end r
-            if not (r.watch_text or t in r.stop_ids or len(r.out) >= r.max_out):
+            # _finish only for a token that may end r (most end nothing, and this runs for every token)
+            p = r.params
+            if not (p.stop or t in p.stop_token_ids or len(r.prompt) + len(r.out) >= r.end):
                 continue
             _finish(r, ctx, tokenizer)
             if r.finish_reason is not None:
@@ -719,7 +709,7 @@ class LLM:
         s, used = self.stats, self.allocator.num_used
         s["peak_kv_blocks"] = max(s["peak_kv_blocks"], used)
         s["kv_bytes_in_use"] += used * self.cache.block_bytes
-        s["kv_bytes_of_tokens"] += self.cache.bytes_of_tokens(sum(map(_device_len, running)))
+        s["kv_bytes_of_tokens"] += self.cache.bytes_of_tokens(sum(r.device_len for r in running))
 
     # ------------------------------------------------------------------------------------------
     # The decode step, plain or through CUDA graphs
