@@ -121,8 +121,10 @@ def test_gemv_path_matches(dtype, n_kv_heads, monkeypatch):
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 def test_fused_prefill_matches_paged_forward(n_kv_heads):
     """A gathered (prefill) batch: three prompts packed in one row, one after a cached prefix of two
-    blocks. Same logits and cache contents as paged_forward's op-by-op prefill."""
+    blocks. Same logits and cache contents as paged_forward's op-by-op prefill; its 17 tokens run the
+    matmuls on rows padded to 18 (prefill_rows)."""
     from lmfs.inference import gathered_batch
+    from lmfs.kernels.decode import prefill_rows
 
     model = build(n_kv_heads=n_kv_heads)
     cache, _ = decode_setup(model, [16, 16, 16])   # random contents: the prefix's keys are read from there
@@ -131,6 +133,7 @@ def test_fused_prefill_matches_paged_forward(n_kv_heads):
     tables = [[1, 2], [3, 4, 5, 6], [7, 8, 9]]   # the third sequence: 8 cached tokens, 3 new
     chunks = [(new[0], 0, tables[0]), (new[1], 0, tables[1]), (new[2], 8, tables[2])]
     batch = gathered_batch(chunks, BLOCK_SIZE, None, DEVICE)
+    assert prefill_rows(batch.tokens.numel()) == 18
     cache2 = copy.deepcopy(cache)
     expected = paged_forward(model, cache, batch)
     got = FusedDecode(model)(model, cache2, batch, paged_attention_reference)

@@ -666,6 +666,37 @@ def test_cuda_graphs_and_kernel_match_plain_gpu(attention):
 
 
 @pytest.mark.gpu
+def test_pinned_staging_ring_uploads_exactly_gpu():
+    """Uploads through the pinned ring arrive intact: many in a row while the device is busy (the ring
+    wraps and must wait for copies still reading a region), one larger than the ring (it grows), and
+    each dtype and shape upload is given (lists, numpy arrays, bools, empty)."""
+    import numpy as np
+
+    from lmfs.inference.runner import PinnedStaging, upload
+
+    ring = PinnedStaging(torch.device("cuda"), nbytes=1 << 12)
+    busy = torch.randn(2048, 2048, device="cuda")
+    rng = np.random.default_rng(0)
+    sent, got = [], []
+    for i in range(64):
+        if i % 8 == 0:
+            busy = busy @ busy / 50              # keep the device busy, so copies are still in flight
+        a = rng.integers(-2**40, 2**40, size=int(rng.integers(1, 300)))
+        sent.append(a)
+        got.append(ring.upload(torch.as_tensor(a)))
+    big = rng.standard_normal(5000).astype(np.float32)          # 20 kB > the 4 kB ring
+    got_big = ring.upload(torch.as_tensor(big))
+    assert ring.buffer.numel() >= 2 * big.nbytes
+    for a, g in zip(sent, got):
+        assert g.device.type == "cuda" and g.tolist() == a.tolist()
+    assert got_big.cpu().numpy().tobytes() == big.tobytes()
+    assert upload([[1, 2], [3, 4]], "cuda").tolist() == [[1, 2], [3, 4]]
+    assert upload(np.array([True, False]), "cuda", torch.bool).tolist() == [True, False]
+    assert upload([0.5], "cuda", torch.float32).dtype == torch.float32
+    assert upload([], "cuda").numel() == 0
+
+
+@pytest.mark.gpu
 def test_graphs_use_weights_changed_in_place_gpu():
     """The CUDA graphs (and the fused forward's merged weights, where it runs) read weights updated
     in place; new weight tensors (a reload) make the engine capture again."""

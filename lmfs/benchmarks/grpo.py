@@ -33,7 +33,10 @@ grows with the number of micro-batches; 256 sequences of up to 256 tokens fit in
     tokens, divided by the step's wall time. Each prefill forward and each decode step (forward and
     draw, on the device) of :class:`lmfs.inference.LLM` is timed (CUDA events on a GPU, so it is
     device time; wall time on the CPU) and scaled by ``real rows / computed rows``: decode batches
-    captured in CUDA graphs are padded to a power of two, and padded rows are waste. Not counted
+    captured in CUDA graphs are padded to the graphs' sizes, the fused prefill's matmuls to
+    :func:`~lmfs.kernels.decode.prefill_rows`, and padded rows are waste. (A prefill forward's
+    device time runs from its first launch to its last kernel, so it includes the gaps where the
+    device waits for the host's launches; ``--profile`` shows how busy the device really was.) Not counted
     as useful: padding, scheduling and the host's waits, detokenising, rewards, the reference and
     the update. The rollout's share of the step and the useful share of the rollout are printed too.
     Goal on one H200: ≥ 70%.
@@ -135,11 +138,13 @@ class ForwardTimer:
             self._in_decode = False
 
     def _timed_prefill(self, model, cache, batch, *args):
+        from lmfs.kernels.decode import prefill_rows
+
         if self._in_decode:
             return self._forward(model, cache, batch, *args)
-        n = batch.tokens.numel()              # packed prompts: no padding rows
+        n = batch.tokens.numel()              # packed prompts, whose matmuls the fused forward pads
         self.real_rows += n
-        self.computed_rows += n
+        self.computed_rows += prefill_rows(n) if self.llm._fused is not None else n
         return self._time(self._forward, model, cache, batch, *args)
 
     def useful_seconds(self) -> float:

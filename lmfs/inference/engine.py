@@ -127,8 +127,9 @@ class _Request:
         text = None
         if tokenizer is not None and self.error is None:
             text = self.text if self.params.stop else tokenizer.decode(self.out)
-        return RequestOutput(self.index, self.prompt, list(self.out), text,
-                             list(self.logprobs) if self.params.logprobs and self.error is None else None,
+        # the request's own lists, not copies: it is finished, and nothing appends to them any more
+        return RequestOutput(self.index, self.prompt, self.out, text,
+                             self.logprobs if self.params.logprobs and self.error is None else None,
                              self.finish_reason, self.error)
 
 
@@ -554,13 +555,14 @@ class LLM:
         with self._autocast():
             logits = self._forward(self.model, self.cache, batch, self.decode_attention)
         next_ids, logprobs = self._sample(admitted, logits.float())
-        rows = torch.tensor([r.row for r in admitted], device=self.device)
-        table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in admitted],
-                             dtype=torch.int32)
+        # each admitted request's row, position and block table, in one copy that does not wait for the forward
+        state = self._upload([[r.row, r.length] + r.blocks + [0] * (self.max_blocks - len(r.blocks))
+                              for r in admitted])
+        rows = state[:, 0]
         for r in admitted:
             r.device_len = r.length + 1        # the token sampled here
-        self.tables[rows] = table.to(self.device)
-        self.positions[rows] = torch.tensor([len(r.tokens) for r in admitted], device=self.device)
+        self.tables[rows] = state[:, 2:].to(torch.int32)
+        self.positions[rows] = state[:, 1]
         self.last_token[rows] = next_ids
         running.extend(admitted)
         self._state = None                     # rows were handed to new requests

@@ -112,6 +112,18 @@ def residual_rmsnorm_kernel(x_ptr, delta_ptr, ids_ptr, emb_ptr, w_ptr, h_ptr, n_
     tl.store(h_ptr + offsets, (w * normed).to(h_ptr.dtype.element_ty), mask=mask)
 
 
+def prefill_rows(n: int) -> int:
+    """The row count a prefill of ``n`` tokens runs its matmuls at: ``n`` rounded up to one of eight
+    sizes per power of two (``n`` itself below 16), so at most 12.5% of the rows are padding and
+    the packed prompts of one run keep meeting the same few shapes.
+
+    >>> [prefill_rows(n) for n in (5, 16, 17, 100, 2224, 4096)]
+    [5, 16, 18, 104, 2304, 4096]
+    """
+    step = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // step) * step
+
+
 def residual_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm, h: torch.Tensor,
                      ids: torch.Tensor | None = None, emb: torch.Tensor | None = None) -> None:
     """``x += delta; h = norm(x)`` for ``(N, d)`` rows in one kernel, in place; with ``ids`` ``(N,)``
@@ -604,8 +616,15 @@ class FusedDecode:
         cfg = model.config
         N, d = batch.tokens.shape[0], cfg.d_model
         H, KV, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        # A prefill's matmuls run on rows padded to a few sizes (prefill_rows): a new row count
+        # costs the host up to milliseconds per matmul shape while cuBLAS picks (and may first
+        # load) its kernel, and packed prompts give a new count almost every time. Padded rows
+        # stay zero and are never read back; decode batches come in the CUDA graphs' sizes.
+        padded = N if batch.decode else prefill_rows(N)
         x = emb.new_empty(N, d)   # the residual stream
-        h = emb.new_empty(N, d)   # its normed copy, the input of each branch
+        h_rows = emb.new_zeros(padded, d)
+        h = h_rows[:N]            # its normed copy, the input of each branch
+        o_rows = emb.new_zeros(padded, H * hd) if padded > N else None
         rope = model.blocks[0].attn.rope
         delta, masks = None, {}   # masks: a gathered batch's attention mask, built once for every layer
         for layer, (block, (w_qkv, w_o, w_gate_up, w_down)) in enumerate(zip(model.blocks, self._layers)):
@@ -614,7 +633,7 @@ class FusedDecode:
                 residual_rmsnorm(x, None, block.norms[0], h, ids=batch.tokens, emb=emb)
             else:
                 residual_rmsnorm(x, delta, block.norms[0], h)
-            qkv = h @ w_qkv.T
+            qkv = (h_rows @ w_qkv.T)[:N]
             q = qkv.new_empty(N, H, hd)
             cos, sin = (rope.cos, rope.sin) if rope is not None else (qkv, qkv)   # unread without RoPE
             rope_cache_kernel[(N, H + KV)](qkv, batch.positions, batch.slots, cos, sin, q, k_cache, v_cache, H=H,
@@ -624,13 +643,17 @@ class FusedDecode:
                 out = decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens)   # (N, H, hd)
             else:   # prefill: attention over the keys the batch lists, gathered from the cache
                 out = gathered_attention(block.attn, q, k_cache, v_cache, batch, masks)
-            residual_rmsnorm(x, out.to(h.dtype).reshape(N, H * hd) @ w_o.T, block.norms[1], h)
-            delta = swiglu(h @ w_gate_up.T) @ w_down.T
+            out = out.to(h.dtype).reshape(N, H * hd)
+            if o_rows is not None:   # into the padded rows
+                o_rows[:N] = out
+                out = o_rows
+            residual_rmsnorm(x, (out @ w_o.T)[:N], block.norms[1], h)
+            delta = (swiglu(h_rows @ w_gate_up.T) @ w_down.T)[:N]
         residual_rmsnorm(x, delta, model.final_norm, h)
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
         return model.head(h)
 
 
-__all__ = ["FusedDecode", "residual_rmsnorm", "residual_rmsnorm_kernel", "rope_cache_kernel", "gemv", "layer_gemv",
+__all__ = ["FusedDecode", "prefill_rows", "residual_rmsnorm", "residual_rmsnorm_kernel", "rope_cache_kernel", "gemv", "layer_gemv",
            "layer_gemv_kernel", "merge_rows", "GEMV_MAX_ROWS"]
