@@ -622,7 +622,7 @@ class FusedDecode:
         # stay zero and are never read back; decode batches come in the CUDA graphs' sizes.
         padded = N if batch.decode else prefill_rows(N)
         x = emb.new_empty(N, d)   # the residual stream
-        h_rows = emb.new_zeros(padded, d)
+        h_rows = emb.new_zeros(padded, d) if padded > N else emb.new_empty(N, d)
         h = h_rows[:N]            # its normed copy, the input of each branch
         o_rows = emb.new_zeros(padded, H * hd) if padded > N else None
         rope = model.blocks[0].attn.rope
@@ -655,5 +655,5 @@ class FusedDecode:
         return model.head(h)
 
 
-__all__ = ["FusedDecode", "prefill_rows", "residual_rmsnorm", "residual_rmsnorm_kernel", "rope_cache_kernel", "gemv", "layer_gemv",
-           "layer_gemv_kernel", "merge_rows", "GEMV_MAX_ROWS"]
+__all__ = ["FusedDecode", "prefill_rows", "residual_rmsnorm", "residual_rmsnorm_kernel", "rope_cache_kernel", "gemv",
+           "layer_gemv", "layer_gemv_kernel", "merge_rows", "GEMV_MAX_ROWS"]
