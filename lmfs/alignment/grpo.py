@@ -60,7 +60,7 @@ from lmfs.alignment.tasks import check_answer
 from lmfs.bench.timing import synchronize
 from lmfs.eval import Interval, bootstrap_ci, pass_at_k
 from lmfs.inference import LLM, SamplingParams
-from lmfs.inference.runner import upload
+from lmfs.inference.runner import right_padded, upload
 from lmfs.optim import AdamW, clip_grad_norm
 from lmfs.train import load_checkpoint, resolve_autocast, restore_rng_state, save_checkpoint
 
@@ -241,14 +241,8 @@ def batch_tensors(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
     """
     lengths = np.array([len(p) + len(r) for p, r in zip(prompt_ids, response_ids)])
     L = max(lengths.max(), 2)
-    # Every token in one flat array, read straight from the lists (numpy's fromiter: about 3x faster
-    # than torch.tensor of nested lists, 4 against 12 ms for 256 sequences of 250 tokens on a
-    # laptop-class core), then scattered into the padded rows, in numpy (a third of torch's time on
-    # the CPU); the mask from the lengths.
-    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain(p, r) for p, r in zip(prompt_ids, response_ids)),
-                       dtype=np.int64, count=lengths.sum())
-    ids = np.zeros((len(lengths), L), dtype=np.int64)
-    ids[np.arange(L) < lengths[:, None]] = flat
+    # the padded rows and the mask in numpy (a third of torch's time on the CPU), uploaded once each
+    ids = right_padded((itertools.chain(p, r) for p, r in zip(prompt_ids, response_ids)), lengths, L)
     start = np.array([len(p) - 1 for p in prompt_ids])[:, None]       # predicts the first response token
     end = start + np.array([len(r) for r in response_ids])[:, None]
     t = np.arange(L - 1)
