@@ -218,6 +218,45 @@ def test_micro_batches_sort_by_length_and_cover_every_sequence_once():
         assert torch.equal(ids, want_ids) and torch.equal(mask, want_mask)
 
 
+def test_rollout_leaves_only_the_last_texts_for_score():
+    """With texts=False the answers that finish while a decode step is still in flight get their text
+    at once; those handed over when none is (the last ones; here also some that stopped at their
+    first token, sampled by the prefill) keep None, and score decodes what response_text gives."""
+    model, tok = tiny()
+    tr = trainer(model, tok, max_new_tokens=12)
+    tr.stop_ids = tuple(range(0, tok.vocab_size, 10))     # a tenth of the vocabulary ends an answer
+    torch.manual_seed(3)
+    rollout = tr.rollout(tr.sample_problems(0), texts=False)
+    lengths = [len(r) for r in rollout.response_ids]
+    assert None in rollout.texts and len(set(lengths)) > 1          # answers finished at several steps
+    longest = max(lengths)
+    assert all(text is None for text, n in zip(rollout.texts, lengths) if n == longest)
+    assert any(text is not None for text in rollout.texts)
+    assert all(text == tr.response_text(ids) for text, ids in zip(rollout.texts, rollout.response_ids) if text)
+    tr.score(rollout)
+    assert rollout.texts == [tr.response_text(ids) for ids in rollout.response_ids]
+
+
+def test_training_step_scoring_inside_the_update_equals_scoring_first():
+    """train_step builds the batches, queues the update's first forward and only then scores; the
+    same step by hand (rollout with every text, score, batches, update) gives the same record,
+    texts and weights."""
+    model, tok = tiny()
+    ours, by_hand = trainer(copy.deepcopy(model), tok), trainer(copy.deepcopy(model), tok)
+    torch.manual_seed(1)
+    record = ours.train_step()
+    torch.manual_seed(1)
+    rollout = by_hand.score(by_hand.rollout(by_hand.sample_problems(0)))
+    stats = by_hand.update(rollout, by_hand.micro_batches(rollout))
+    assert stats["score_seconds"] == 0 and "score_seconds" not in record
+    assert record["reward"] == pytest.approx(rollout.rewards.mean().item()) and record["reward"] > 0
+    assert record["loss"] == pytest.approx(stats["loss"], rel=1e-6, abs=1e-9)
+    assert ours.last_rollout.texts == rollout.texts
+    for (name, a), b in zip(ours.policy.named_parameters(), by_hand.policy.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert record["reward_s"] > 0 and record["update_s"] > 0
+
+
 @pytest.mark.parametrize("epochs", [1, 3])
 def test_old_logprobs_from_the_first_epoch_equal_a_separate_forward(epochs):
     """The trainer runs no forward pass for the old log-probs: it takes them, detached, from its first

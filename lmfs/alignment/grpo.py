@@ -10,7 +10,9 @@ Liu et al. 2025) runs four phases, each timed on its own:
    advantages (:func:`lmfs.alignment.pg.group_advantages`); the padded micro-batches are built
    (sequences sorted by length, so each micro-batch pads little). The true checker
    (:func:`lmfs.alignment.tasks.check_answer`) is also recorded as ``accuracy``, so a reward that
-   can be gamed shows up as reward rising while accuracy does not.
+   can be gamed shows up as reward rising while accuracy does not. The forward passes need only the
+   tokens, and the advantages enter only the loss: a training step scores on the host while the
+   device computes the update's first forward, and this phase's time is the host's.
 3. **reference**: with a KL penalty (or a ``reference`` passed in to watch the KL), the frozen
    reference model's log-probs of the same tokens; with neither, no reference model exists.
 4. **update**: ``epochs_per_batch`` optimizer steps over the rollout batch, each accumulating the
@@ -215,12 +217,13 @@ class Rollout:
     token ids of each prompt and response, the response's text (without its closing special token),
     the log-prob the sampler gave each response token, and per sequence its reward, the true
     checker's verdict and (after :meth:`GRPOTrainer.score`) its advantage. A request the engine
-    refused has an empty response."""
+    refused has an empty response. A text is None until :meth:`GRPOTrainer.score` decodes it where
+    the rollout left it for later (``GRPOTrainer.rollout(..., texts=False)``)."""
 
     problems: list
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
-    texts: list[str]
+    texts: list[str | None]
     sampler_logprobs: list[list[float]]
     rewards: torch.Tensor          # (N,) from reward_fn
     correct: torch.Tensor          # (N,) from check_answer
@@ -396,28 +399,39 @@ class GRPOTrainer:
         return self.tokenizer.decode(ids)
 
     @torch.no_grad()
-    def rollout(self, indices: Sequence[int]) -> Rollout:
+    def rollout(self, indices: Sequence[int], texts: bool = True) -> Rollout:
         """Answer each problem of ``indices`` ``group_size`` times through the engine (phase 1).
-        A request the engine refuses gets an empty response (no tokens, reward 0)."""
+        A request the engine refuses gets an empty response (no tokens, reward 0).
+
+        Each answer's text is decoded as it finishes, while the engine computes the others on the
+        device. With ``texts=False``, the answers handed over while no decode step is in flight (the
+        last ones, when nothing is left to compute, and any that end at their first token) keep
+        ``None`` for :meth:`score` to decode: the training step scores while the device runs the
+        update's first forward (:meth:`update`), so that their decoding waits for nothing."""
         G = self.config.group_size
         prompts = [self.prompts[i] for i in indices for _ in range(G)]
-        texts = [""] * len(prompts)
+        decoded: list[str | None] = [None] * len(prompts)
 
-        def decode(out):   # as each answer finishes, while the engine decodes the others on the device
-            if out.finish_reason != "error":
-                texts[out.index] = self.response_text(out.token_ids)
+        def decode(out):
+            if out.finish_reason == "error":
+                decoded[out.index] = ""
+            elif texts or self.llm.step_in_flight:
+                decoded[out.index] = self.response_text(out.token_ids)
 
         outputs = self.llm.generate(prompts, self._sampling(), progress=False, on_finish=decode)
         self.rollout_stats = dict(self.llm.stats)
         return Rollout(problems=[self.problems[i] for i in indices for _ in range(G)], prompt_ids=prompts,
                        response_ids=[o.token_ids if o.finish_reason != "error" else [] for o in outputs],
-                       texts=texts, sampler_logprobs=[o.logprobs or [] for o in outputs],
+                       texts=decoded, sampler_logprobs=[o.logprobs or [] for o in outputs],
                        rewards=torch.zeros(len(prompts)), correct=torch.zeros(len(prompts)))
 
     def score(self, rollout: Rollout) -> Rollout:
-        """Rewards, the true checker's verdicts and the group-normalised advantages (phase 2)."""
+        """Rewards, the true checker's verdicts and the group-normalised advantages (phase 2), and the
+        texts the rollout left undecoded."""
         rewards, correct = [], []
-        for problem, text, ids in zip(rollout.problems, rollout.texts, rollout.response_ids):
+        for i, (problem, text, ids) in enumerate(zip(rollout.problems, rollout.texts, rollout.response_ids)):
+            if text is None:
+                text = rollout.texts[i] = self.response_text(ids)
             r = float(self.reward_fn(problem, text)) if ids else 0.0
             if not math.isfinite(r):
                 raise ValueError(f"reward_fn returned {r} for the response {text!r}: rewards must be finite")
@@ -491,12 +505,16 @@ class GRPOTrainer:
         response token, measured before any update: the policy that sampled the batch).
 
         The old log-probs come from the first epoch's own forward passes, detached: the optimizer
-        steps only after the whole epoch, so every micro-batch of it sees the sampling policy."""
+        steps only after the whole epoch, so every micro-batch of it sees the sampling policy.
+
+        A rollout not scored yet (no advantages) is scored (:meth:`score`) once the first forward is
+        queued: the host computes the rewards while the device computes that forward, which needs
+        only the tokens. ``score_seconds`` in the result is the host's time in it (0 if it was scored)."""
         c = self.config
         weights = self._weights(rollout, batches)
         tokens = max(sum(len(r) for r in rollout.response_ids), 1)
-        advantages = [rollout.advantages[rows].to(self.device) for rows, _, _ in batches]
-        raw_rewards = [rollout.rewards[rows].to(self.device) for rows, _, _ in batches]
+        advantages = raw_rewards = None
+        score_seconds = 0.0
         # Running sums stay on the device: reading each micro-batch's numbers (.item()) would make the
         # host wait for the GPU every time instead of queueing the next micro-batch's work.
         zero = torch.zeros((), device=self.device)
@@ -507,6 +525,15 @@ class GRPOTrainer:
                 with self._autocast():
                     logp, entropy = self._response_logprobs(self.policy, rollout, rows, ids, mask)
                 logp = logp.float()
+                if advantages is None:        # the forward is queued: score while the device computes
+                    if rollout.advantages is None:
+                        start = time.perf_counter()
+                        self.score(rollout)
+                        score_seconds = time.perf_counter() - start
+                    # (uploaded without waiting for the forward, as a plain .to(device) would)
+                    advantages, raw_rewards = ([upload(values[rows].numpy(), self.device, torch.float32)
+                                                for rows, _, _ in batches]
+                                               for values in (rollout.advantages, rollout.rewards))
                 if epoch == 0:
                     old_logps.append(logp.detach())
                     entropy_sum = entropy_sum + (entropy.detach().float() * mask).sum()
@@ -528,7 +555,8 @@ class GRPOTrainer:
                                          f"diverged. Lower the learning rate (lr={c.lr:g}) or keep grad_clip on")
             self._optimizer_step()
         return dict(loss=loss_value, clip_fraction=clipped.item() / tokens, entropy=entropy_sum.item() / tokens,
-                    kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"))
+                    kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"),
+                    score_seconds=score_seconds)
 
     def _optimizer_step(self) -> None:
         """Clip the gradient, step the optimizer (in place: the engine reads the new weights, see
@@ -558,10 +586,17 @@ class GRPOTrainer:
             return out
 
         indices = self.sample_problems(self.step)
-        rollout = phase("rollout", lambda: self.rollout(indices))
-        rollout, batches = phase("reward", lambda: (self.score(rollout), self.micro_batches(rollout)))
+        rollout = phase("rollout", lambda: self.rollout(indices, texts=False))
+        # The batches need only the tokens. The rollout is scored inside the update, on the host while
+        # the device runs the first forward (update): the reward phase is the host's time in both.
+        start = time.perf_counter()
+        batches = self.micro_batches(rollout)
+        seconds["reward"] = time.perf_counter() - start
         ref = phase("reference", lambda: self.logprobs_of(self.reference, batches, rollout) if self.reference else None)
         stats = phase("update", lambda: self.update(rollout, batches, ref))
+        scoring = stats.pop("score_seconds")
+        seconds["reward"] += scoring
+        seconds["update"] -= scoring
         grouped = rollout.rewards.view(-1, c.group_size)
         self.last_rollout = rollout
         return dict(step=self.step + 1, reward=rollout.rewards.mean().item(), accuracy=rollout.correct.mean().item(),

@@ -349,6 +349,13 @@ class LLM:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast, cache_enabled=False)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a decode step runs on the device whose tokens the host has not read yet: host work
+        done now (in an ``on_finish`` callback, say) hides behind it. False once the last answers
+        of a :meth:`generate` are handed over, since nothing is left to compute then."""
+        return self._pending is not None
+
     @staticmethod
     def _empty_stats() -> dict:
         return dict(requests=0, prefill_tokens=0, prefill_seconds=0.0, prefill_steps=0, decode_tokens=0,
