@@ -220,8 +220,8 @@ def test_micro_batches_sort_by_length_and_cover_every_sequence_once():
 
 def test_rollout_leaves_only_the_last_texts_for_score():
     """With texts=False the answers that finish while a decode step is still in flight get their text
-    at once; those handed over when none is (the last ones; here also some that stopped at their
-    first token, sampled by the prefill) keep None, and score decodes what response_text gives."""
+    at once; those handed over when none is (the last ones) keep None, and score decodes what
+    response_text gives."""
     model, tok = tiny()
     tr = trainer(model, tok, max_new_tokens=12)
     tr.stop_ids = tuple(range(0, tok.vocab_size, 10))     # a tenth of the vocabulary ends an answer
@@ -230,8 +230,7 @@ def test_rollout_leaves_only_the_last_texts_for_score():
     lengths = [len(r) for r in rollout.response_ids]
     assert None in rollout.texts and len(set(lengths)) > 1          # answers finished at several steps
     longest = max(lengths)
-    assert all(text is None for text, n in zip(rollout.texts, lengths) if n == longest)
-    assert any(text is not None for text in rollout.texts)
+    assert [text is None for text in rollout.texts] == [n == longest for n in lengths]
     assert all(text == tr.response_text(ids) for text, ids in zip(rollout.texts, rollout.response_ids) if text)
     tr.score(rollout)
     assert rollout.texts == [tr.response_text(ids) for ids in rollout.response_ids]

@@ -400,6 +400,28 @@ def test_seeded_request_same_alone_or_batched():
     assert batch[1].token_ids == alone
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefill_draws_plain_requests_as_sample_does(overlap):
+    """A prefill of plain requests (temperature only, seeded or greedy) draws its first tokens on the
+    device, and with overlap reads them with the decode step after it: the same tokens and log-probs
+    as sample() with the same generators on the uncached model's logits. One-token requests end
+    right there; a request with one more token then takes a decode step."""
+    model = tiny()
+    prompts = random_prompts([5, 8, 3, 6])
+    params = [SamplingParams(max_tokens=1, temperature=t, seed=s, logprobs=True)
+              for t, s in ((0.9, 1), (0.0, None), (1.3, 7), (0.7, 3))]
+    params[3] = dataclasses.replace(params[3], max_tokens=2)
+    llm = LLM(model, overlap=overlap)
+    outs = llm.generate(prompts, params)
+    with torch.no_grad():
+        logits = torch.stack([model(torch.tensor([p]))[0][0, -1] for p in prompts])
+    ids, logprobs = sample(logits, params, [p.generator(torch.device("cpu")) for p in params])
+    assert [o.token_ids[0] for o in outs] == ids.tolist()
+    torch.testing.assert_close(torch.tensor([o.logprobs[0] for o in outs]), logprobs, atol=1e-5, rtol=0)
+    assert [len(o.token_ids) for o in outs] == [1, 1, 1, 2] and llm.stats["decode_tokens"] == 1
+    assert llm.stats["prefill_steps"] == 1 and llm.allocator.num_used == 0
+
+
 def test_bad_requests_get_errors_and_others_go_on():
     model = tiny()
     good = random_prompts([6])[0]

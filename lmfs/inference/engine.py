@@ -26,7 +26,9 @@
   computes, and the host's bookkeeping of step ``n`` runs during step ``n + 1``. The price: a request
   that stops on a stop token (or string) at step ``n`` has already been fed to step ``n + 1``; that
   extra token is dropped (its keys went to the request's own blocks, freed once the step is read).
-  A request ending by length is known ahead and sits the step out. Anything that needs every
+  A request ending by length is known ahead and sits the step out. A prefill of plain requests
+  (temperature only) is treated the same way: its first tokens are drawn on the device, and read
+  with the first decode step, which is launched before them. Anything that needs every
   token on the host first waits for the step in flight: admitting requests (prefill), preempting,
   repetition penalties (they read the tokens so far) and MLA (whose decode batches are built on
   the host).
@@ -112,6 +114,9 @@ class _Request:
         self.row: int | None = None   # row in the engine's device state while running
         self.blocks: list[int] = []
         self.end = 0                  # the length at which it ends by length (set by the engine)
+        self.max_out = 0              # output tokens at which it ends by length: end - len(prompt)
+        self.stop_ids = params.stop_token_ids
+        self.watch_text = bool(params.stop)   # stop strings: every token may end it
         self.device_len = 0           # its length on the device: the tokens read so far plus those in flight
 
     @property
@@ -260,7 +265,9 @@ class LLM:
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
         self._pending: _Step | None = None    # the decode step in flight, its tokens not read yet
-        self._finished: list[_Request] = []   # finished since generate last looked (_accept appends)
+        self._slots = _HostSlots(R) if self.device.type == "cuda" else None
+        self._finished: list[_Request] = []   # finished at this step (_accept appends, _run clears)
+        self._events, self._accepted = True, 0  # whether _accept lists its tokens; how many it took
         self.stats = self._empty_stats()
 
     # ------------------------------------------------------------------------------------------
@@ -391,10 +398,9 @@ class LLM:
         for r in requests:
             if r.finish_reason is not None:
                 finish(r)
-        for _ in self._run(requests, progress):   # a list of the step's new tokens at a time
+        for _ in self._run(requests, progress, events=False):
             for r in self._finished:   # every request that runs finishes in _accept, which lists it here
                 finish(r)
-            self._finished.clear()
         return outputs
 
     def stream(self, prompts, params=None, progress: bool | None = False) -> Iterator[tuple[int, int, str]]:
@@ -415,6 +421,7 @@ class LLM:
         ctx = self.config.context_length
         for r in requests:
             r.end = min(len(r.prompt) + r.params.max_tokens, ctx)
+            r.max_out = r.end - len(r.prompt)
             r.error = self._problem(r)
             if r.error:
                 r.finish_reason = "error"
@@ -437,13 +444,16 @@ class LLM:
                     f"{self.allocator.usable}: raise kv_cache_tokens or lower max_tokens")
         return None
 
-    def _run(self, requests: list[_Request], progress) -> Iterator[list[tuple[_Request, int]]]:
+    def _run(self, requests: list[_Request], progress, events: bool = True) -> Iterator[list[tuple[_Request, int]]]:
         """Schedule until every request is finished, yielding the ``(request, token)`` pairs of each
         step's new tokens (one list a step: a rollout of 256 answers of 256 tokens is 65k tokens, and
-        the host's time per token counts)."""
+        the host's time per token counts); with ``events=False`` empty lists, for a consumer that
+        reads only ``self._finished``, the requests finished at that step (a tuple per token is
+        the host's largest cost per token after the token itself)."""
         from tqdm.auto import tqdm
         self.stats = s = self._empty_stats()
         self._finished = []
+        self._events = events
         if self.device.type == "cuda":
             s["decode_device_seconds"] = 0.0
         self._check_weights()
@@ -466,8 +476,8 @@ class LLM:
                     events = self._decode(waiting, running)
                     s["decode_seconds"] += time.perf_counter() - start
                 yield events
-                if not bar.disable:
-                    bar.update(sum(req.finish_reason is not None for req, _ in events))
+                bar.update(len(self._finished))
+                self._finished.clear()
         finally:
             bar.close()
             # time-averaged KV memory in use per byte of cached tokens (>= 1)
@@ -526,19 +536,27 @@ class LLM:
         """Append each request's sampled token (``ids``, ``lps``: host lists, one entry per request),
         finish and free those that are done. A request that finished at an earlier step (it was
         fed to this one before its stop token was read) drops its token here and is freed; one
-        that finishes now while a later step holds it is freed when that step is read."""
+        that finishes now while a later step holds it is freed when that step is read. Returns the
+        ``(request, token)`` events if :meth:`_run` was asked for them (else an empty list), and
+        counts the tokens taken in ``self._accepted``.
+
+        This loop runs once per token, so it reads only what each request keeps for it (its stop
+        ids, whether it has stop strings, its output limit)."""
         events, ctx, tokenizer, done = [], self.config.context_length, self.tokenizer, False
+        record, dropped = self._events, 0
         for r, t, lp in zip(reqs, ids, lps):
             if r.finish_reason is not None:
                 self._release(r)
+                dropped += 1
                 continue
             t = int(t)
-            r.out.append(t)
+            out = r.out
+            out.append(t)
             r.logprobs.append(lp)
-            events.append((r, t))
+            if record:
+                events.append((r, t))
             # _finish only for a token that may end r (most end nothing, and this runs for every token)
-            p = r.params
-            if not (p.stop or t in p.stop_token_ids or len(r.prompt) + len(r.out) >= r.end):
+            if not (r.watch_text or t in r.stop_ids or len(out) >= r.max_out):
                 continue
             _finish(r, ctx, tokenizer)
             if r.finish_reason is not None:
@@ -548,6 +566,7 @@ class LLM:
                     self._release(r)
         if done:
             running[:] = [r for r in running if r.finish_reason is None]
+        self._accepted = len(reqs) - dropped
         return events
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor):
@@ -561,7 +580,20 @@ class LLM:
         batch = gathered_batch(chunks, self.block_size, self.config.window, self.device)
         with self._autocast():
             logits = self._forward(self.model, self.cache, batch, self.decode_attention)
-        next_ids, logprobs = self._sample(admitted, logits.float())
+        params = [r.params for r in admitted]
+        # Plain requests (module docstring, "Overlap") are drawn as in a decode step: the temperatures
+        # in one upload, nothing that waits for the forward; the others by sample(), on the host's lists.
+        plain = all(p.plain for p in params)
+        if plain:
+            uniforms = None
+            if not all(p.greedy for p in params):
+                generators = [r.generator for r in admitted]
+                uniforms = draw_uniforms(params, None if all(g is None for g in generators) else generators,
+                                         self.device)
+            next_ids, logprobs = self._draw(logits, self._upload([p.temperature for p in params], torch.float32),
+                                            uniforms)
+        else:
+            next_ids, logprobs = self._sample(admitted, logits.float())
         # each admitted request's row, position and block table, in one copy that does not wait for the forward
         state = self._upload([[r.row, r.length] + r.blocks + [0] * (self.max_blocks - len(r.blocks))
                               for r in admitted])
@@ -577,7 +609,13 @@ class LLM:
         s["prefill_tokens"] += batch.tokens.numel()
         s["shared_prefix_tokens"] += sum(r.cached for r in admitted)
         s["prefill_steps"] += 1
-        events = self._accept(admitted, *_pack(next_ids, logprobs).tolist(), running)
+        drawn = _pack(next_ids, logprobs)
+        if plain and self.overlap and self.config.attention != "mla":
+            # the first tokens are read with the next decode step, launched before them (its inputs are
+            # on the device already); MLA's decode batches are built from the host's tokens
+            self._pending, events = self._in_flight(admitted, drawn, wait=False, prefill=True), []
+        else:
+            events = self._accept(admitted, *drawn.tolist(), running)
         s["prefill_seconds"] += time.perf_counter() - start
         return events
 
@@ -630,9 +668,9 @@ class LLM:
         """Start the decode step of ``batch`` on the device and the copy of its tokens to the host,
         without waiting for either."""
         cuda = self.device.type == "cuda"
-        started = torch.cuda.Event(enable_timing=True) if cuda else None
+        slot = self._slots.next() if cuda else None
         if cuda:
-            started.record()
+            slot.started.record()
         if self.config.attention == "mla":   # latents: the gathered path, built from the host's tokens
             pb = gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in batch],
                                 self.block_size, self.config.window, self.device)
@@ -655,13 +693,20 @@ class LLM:
         for r in batch:
             r.device_len += 1
         self.stats["decode_steps"] += 1
-        if not cuda:
-            return _Step(batch, drawn, wait)
-        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
-        host.copy_(drawn, non_blocking=True)     # pinned memory: the copy does not block the host
-        done = torch.cuda.Event(enable_timing=True)
-        done.record()
-        return _Step(batch, host, wait, started, done)
+        return self._in_flight(batch, drawn, wait, slot=slot)
+
+    def _in_flight(self, requests: list[_Request], drawn: torch.Tensor, wait: bool, prefill: bool = False,
+                   slot: _HostSlot | None = None) -> _Step:
+        """The step whose ``(2, B)`` ``drawn`` ids and log-probs the host reads later: on CUDA copied
+        into the next pinned buffer of a small ring (:class:`_HostSlots`; pinned memory, so the copy
+        does not block the host), with an event recorded after it."""
+        if self.device.type != "cuda":
+            return _Step(requests, drawn, wait, prefill=prefill)
+        slot = slot or self._slots.next()
+        host = slot.buffer[:drawn.numel()].view(drawn.shape)
+        host.copy_(drawn, non_blocking=True)
+        slot.done.record()
+        return _Step(requests, host, wait, None if prefill else slot.started, slot.done, prefill)
 
     def _read(self, step: _Step | None, running: list) -> list[tuple[_Request, int]]:
         """Wait for ``step``'s tokens and take them in (:meth:`_accept`)."""
@@ -672,10 +717,12 @@ class LLM:
             start = time.perf_counter()
             step.done.synchronize()
             s["decode_wait_seconds"] += time.perf_counter() - start
-            s["decode_device_seconds"] += step.started.elapsed_time(step.done) / 1e3
+            if not step.prefill:
+                s["decode_device_seconds"] += step.started.elapsed_time(step.done) / 1e3
         ids, lps = step.tokens.tolist()
         events = self._accept(step.requests, ids, lps, running)
-        s["decode_tokens"] += len(events)
+        if not step.prefill:
+            s["decode_tokens"] += self._accepted
         return events
 
     def _drain(self, running: list) -> list[tuple[_Request, int]]:
@@ -701,14 +748,16 @@ class LLM:
         generators = [r.generator for r in batch]
         if all(g is None for g in generators):   # none seeded: draw_uniforms then skips its loop
             generators = None
+        kinds = {id(p): p for p in params}.values()   # the distinct settings (often one object for all)
         state = dict(row_list=rows, params=params, generators=generators, size=len(rows),
-                     plain=all(p.plain for p in params), greedy=all(p.greedy for p in params),
-                     host_tokens=any(p.repetition_penalty != 1 for p in params))
+                     plain=all(p.plain for p in kinds), greedy=all(p.greedy for p in kinds),
+                     host_tokens=any(p.repetition_penalty != 1 for p in kinds))
         if self.cuda_graphs:
             state["size"] = size = graph_batch_size(len(rows))
             rows, temps = rows + [self.dummy] * (size - len(rows)), temps + [0.0] * (size - len(rows))
-        state["padded_rows"] = self._upload(rows)
-        state["padded_temperatures"] = self._upload(temps, torch.float32)
+        # rows and temperatures in one upload (float64 holds every row index exactly)
+        both = self._upload([rows, temps], torch.float64)
+        state["padded_rows"], state["padded_temperatures"] = both[0].long(), both[1].float()
         state["rows"] = state["padded_rows"][:len(batch)]
         self._state = state
         return state
@@ -749,21 +798,28 @@ class LLM:
             logits = self._forward(self.model, self.cache, self._decode_batch(rows, width), self.decode_attention)
         if uniforms is None and self._step_kernels is not None:   # greedy, on a GPU: draw and advance in one kernel
             return logits, self._step_kernels.greedy_advance(logits, rows, self.last_token, self.positions, self.dummy)
-        logits = logits.float()
-        if uniforms is None:   # every row greedy: the argmax, log-probs at temperature 1
-            next_ids, logprobs = sample_scaled(logits, None, None)
-        else:
-            greedy = temperatures == 0
-            # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,
-            # which a CUDA graph cannot capture
-            processed = logits / temperatures.masked_fill(greedy, 1.0)[:, None]
-            next_ids, logprobs = sample_scaled(processed, greedy, uniforms)
+        next_ids, logprobs = self._draw(logits, temperatures, uniforms)
         self.last_token[rows] = next_ids
         self.positions[rows] += 1
         # padded rows wrote here: keep the dummy row at position 0 (zero_ on a view, since indexing with
         # a Python int and assigning a number copies from the host, which a CUDA graph cannot capture)
         self.positions.narrow(0, self.dummy, 1).zero_()
         return logits, _pack(next_ids, logprobs)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, temperatures: torch.Tensor,
+              uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draw of plain requests on the device, as :func:`~lmfs.inference.sample` would draw them:
+        ``(next_ids, logprobs)`` from ``logits`` ``(B, V)`` at ``temperatures`` ``(B,)`` (0: greedy) with
+        ``uniforms`` ``(B,)`` (None: every row greedy: the argmax, log-probs at temperature 1)."""
+        logits = logits.float()
+        if uniforms is None:
+            return sample_scaled(logits, None, None)
+        greedy = temperatures == 0
+        # masked_fill takes the 1.0 as a kernel argument; torch.where would copy it from the host,
+        # which a CUDA graph cannot capture
+        processed = logits / temperatures.masked_fill(greedy, 1.0)[:, None]
+        return sample_scaled(processed, greedy, uniforms)
 
     def _decode_step(self, state: dict, uniforms: torch.Tensor | None,
                      width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -837,6 +893,32 @@ class _Step:
     wait: bool
     started: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
+    prefill: bool = False          # a prefill's first tokens, read with the decode step after it
+
+
+@dataclass
+class _HostSlot:
+    buffer: torch.Tensor           # pinned float64, room for (2, max_batch_size + 1)
+    started: torch.cuda.Event
+    done: torch.cuda.Event
+
+
+class _HostSlots:
+    """A ring of pinned buffers and timing events that steps in flight copy their tokens into and
+    record on, allocated once: a fresh pinned tensor and two fresh events per step cost the host
+    more than the rest of the launch. At most two steps are in flight (a prefill's tokens and the
+    decode step after it), and a slot is taken again only after its step was read; the ring has
+    four."""
+
+    def __init__(self, rows: int, size: int = 4):
+        self.slots = [_HostSlot(torch.empty(2 * rows, dtype=torch.float64, pin_memory=True),
+                                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(size)]
+        self.i = -1
+
+    def next(self) -> _HostSlot:
+        self.i = (self.i + 1) % len(self.slots)
+        return self.slots[self.i]
 
 
 def graph_batch_size(n: int) -> int:
