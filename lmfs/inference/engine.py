@@ -148,7 +148,7 @@ def _as_token_lists(prompts, tokenizer) -> list:
             if tokenizer is None:
                 raise TypeError("text prompts need a tokenizer: pass tokenizer=... or token id lists")
             p = tokenizer.encode(p)
-        out.append([int(t) for t in p])
+        out.append(list(map(int, p)))     # (a comprehension calling int takes twice as long)
     return out
 
 
