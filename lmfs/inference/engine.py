@@ -265,7 +265,6 @@ class LLM:
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
         self._pending: _Step | None = None    # the decode step in flight, its tokens not read yet
-        self._slots = _HostSlots(R) if self.device.type == "cuda" else None
         self._finished: list[_Request] = []   # finished at this step (_accept appends, _run clears)
         self._events, self._accepted = True, 0  # whether _accept lists its tokens; how many it took
         self.stats = self._empty_stats()
@@ -668,9 +667,9 @@ class LLM:
         """Start the decode step of ``batch`` on the device and the copy of its tokens to the host,
         without waiting for either."""
         cuda = self.device.type == "cuda"
-        slot = self._slots.next() if cuda else None
+        started = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
-            slot.started.record()
+            started.record()
         if self.config.attention == "mla":   # latents: the gathered path, built from the host's tokens
             pb = gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in batch],
                                 self.block_size, self.config.window, self.device)
@@ -693,20 +692,19 @@ class LLM:
         for r in batch:
             r.device_len += 1
         self.stats["decode_steps"] += 1
-        return self._in_flight(batch, drawn, wait, slot=slot)
+        return self._in_flight(batch, drawn, wait, started=started)
 
     def _in_flight(self, requests: list[_Request], drawn: torch.Tensor, wait: bool, prefill: bool = False,
-                   slot: _HostSlot | None = None) -> _Step:
+                   started: torch.cuda.Event | None = None) -> _Step:
         """The step whose ``(2, B)`` ``drawn`` ids and log-probs the host reads later: on CUDA copied
-        into the next pinned buffer of a small ring (:class:`_HostSlots`; pinned memory, so the copy
-        does not block the host), with an event recorded after it."""
+        into pinned host memory (so the copy does not block the host), with an event recorded after it."""
         if self.device.type != "cuda":
             return _Step(requests, drawn, wait, prefill=prefill)
-        slot = slot or self._slots.next()
-        host = slot.buffer[:drawn.numel()].view(drawn.shape)
+        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
         host.copy_(drawn, non_blocking=True)
-        slot.done.record()
-        return _Step(requests, host, wait, None if prefill else slot.started, slot.done, prefill)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        return _Step(requests, host, wait, started, done, prefill)
 
     def _read(self, step: _Step | None, running: list) -> list[tuple[_Request, int]]:
         """Wait for ``step``'s tokens and take them in (:meth:`_accept`)."""
@@ -894,31 +892,6 @@ class _Step:
     started: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
     prefill: bool = False          # a prefill's first tokens, read with the decode step after it
-
-
-@dataclass
-class _HostSlot:
-    buffer: torch.Tensor           # pinned float64, room for (2, max_batch_size + 1)
-    started: torch.cuda.Event
-    done: torch.cuda.Event
-
-
-class _HostSlots:
-    """A ring of pinned buffers and timing events that steps in flight copy their tokens into and
-    record on, allocated once: a fresh pinned tensor and two fresh events per step cost the host
-    more than the rest of the launch. At most two steps are in flight (a prefill's tokens and the
-    decode step after it), and a slot is taken again only after its step was read; the ring has
-    four."""
-
-    def __init__(self, rows: int, size: int = 4):
-        self.slots = [_HostSlot(torch.empty(2 * rows, dtype=torch.float64, pin_memory=True),
-                                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(size)]
-        self.i = -1
-
-    def next(self) -> _HostSlot:
-        self.i = (self.i + 1) % len(self.slots)
-        return self.slots[self.i]
 
 
 def graph_batch_size(n: int) -> int:
