@@ -405,8 +405,9 @@ class GRPOTrainer:
 
         Each answer's text is decoded as it finishes, while the engine computes the others on the
         device. With ``texts=False``, the answers handed over while no decode step is in flight (the
-        last ones, when nothing is left to compute) keep ``None`` for :meth:`score` to decode: the training step scores while the device runs the
-        update's first forward (:meth:`update`), so that their decoding waits for nothing."""
+        last ones, when nothing is left to compute) keep ``None`` for :meth:`score` to decode: the
+        training step scores while the device runs the update's first forward (:meth:`update`), so
+        that their decoding waits for nothing."""
         G = self.config.group_size
         prompts = [self.prompts[i] for i in indices for _ in range(G)]
         decoded: list[str | None] = [None] * len(prompts)

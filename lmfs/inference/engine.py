@@ -162,6 +162,16 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     return params
 
 
+def _settings(reqs: list[_Request]) -> tuple:
+    """The requests' sampling settings: their params, temperatures, generators (None when none is
+    seeded: draw_uniforms then skips its loop) and the distinct params (often one object for all)."""
+    params = [r.params for r in reqs]
+    generators = [r.generator for r in reqs]
+    if all(g is None for g in generators):
+        generators = None
+    return params, [p.temperature for p in params], generators, {id(p): p for p in params}.values()
+
+
 def _finish(req: _Request, context_length: int, tokenizer) -> None:
     """Set ``req.finish_reason`` if its last token ends it: a stop token, a stop string (the text is
     cut before it), ``max_tokens``, or a full context (prompt + output = ``context_length``)."""
@@ -579,18 +589,13 @@ class LLM:
         batch = gathered_batch(chunks, self.block_size, self.config.window, self.device)
         with self._autocast():
             logits = self._forward(self.model, self.cache, batch, self.decode_attention)
-        params = [r.params for r in admitted]
         # Plain requests (module docstring, "Overlap") are drawn as in a decode step: the temperatures
         # in one upload, nothing that waits for the forward; the others by sample(), on the host's lists.
-        plain = all(p.plain for p in params)
+        params, temps, generators, kinds = _settings(admitted)
+        plain = all(p.plain for p in kinds)
         if plain:
-            uniforms = None
-            if not all(p.greedy for p in params):
-                generators = [r.generator for r in admitted]
-                uniforms = draw_uniforms(params, None if all(g is None for g in generators) else generators,
-                                         self.device)
-            next_ids, logprobs = self._draw(logits, self._upload([p.temperature for p in params], torch.float32),
-                                            uniforms)
+            uniforms = None if all(p.greedy for p in kinds) else draw_uniforms(params, generators, self.device)
+            next_ids, logprobs = self._draw(logits, self._upload(temps, torch.float32), uniforms)
         else:
             next_ids, logprobs = self._sample(admitted, logits.float())
         # each admitted request's row, position and block table, in one copy that does not wait for the forward
@@ -741,12 +746,7 @@ class LLM:
         rows = [r.row for r in batch]
         if self._state is not None and self._state["row_list"] == rows:
             return self._state
-        params = [r.params for r in batch]
-        temps = [p.temperature for p in params]
-        generators = [r.generator for r in batch]
-        if all(g is None for g in generators):   # none seeded: draw_uniforms then skips its loop
-            generators = None
-        kinds = {id(p): p for p in params}.values()   # the distinct settings (often one object for all)
+        params, temps, generators, kinds = _settings(batch)
         state = dict(row_list=rows, params=params, generators=generators, size=len(rows),
                      plain=all(p.plain for p in kinds), greedy=all(p.greedy for p in kinds),
                      host_tokens=any(p.repetition_penalty != 1 for p in kinds))
