@@ -242,9 +242,9 @@ def test_training_step_scoring_inside_the_update_equals_scoring_first():
     texts and weights."""
     model, tok = tiny()
     ours, by_hand = trainer(copy.deepcopy(model), tok), trainer(copy.deepcopy(model), tok)
-    torch.manual_seed(1)
+    torch.manual_seed(2)
     record = ours.train_step()
-    torch.manual_seed(1)
+    torch.manual_seed(2)
     rollout = by_hand.score(by_hand.rollout(by_hand.sample_problems(0)))
     stats = by_hand.update(rollout, by_hand.micro_batches(rollout))
     assert stats["score_seconds"] == 0 and "score_seconds" not in record

@@ -555,11 +555,13 @@ def assert_same_outputs(got, expected):
         torch.testing.assert_close(torch.tensor(a[3]), torch.tensor(b[3]), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
 @pytest.mark.parametrize("case", ["greedy", "seeded", "stop_tokens", "preemption"])
-def test_overlapped_decoding_equals_waiting_for_every_step(case):
-    """Launching step n+1 before reading step n's tokens changes nothing: tokens, log-probs and
+def test_overlapped_decoding_equals_waiting_for_every_step(case, in_flight):
+    """Launching steps n+1..n+k before reading step n's tokens changes nothing: tokens, log-probs and
     finish reasons equal those of the engine that waits for every step (overlap=False), with stop
-    tokens found one step late, requests ending by length sitting out, and preemptions."""
+    tokens found k steps late, requests ending by length sitting out, and preemptions; every block
+    and row is free at the end."""
     model = tiny(n_kv_heads=2)
     prompts = random_prompts([3, 9, 17, 5, 12, 7])
     lengths = [4, 16, 9, 12, 1, 7]
@@ -580,7 +582,7 @@ def test_overlapped_decoding_equals_waiting_for_every_step(case):
         if case == "preemption":
             kw["kv_cache_tokens"] = 40
     waiting = _outputs(LLM(model, overlap=False, **kw), prompts, params)
-    llm = LLM(model, **kw)
+    llm = LLM(model, in_flight=in_flight, **kw)
     assert_same_outputs(_outputs(llm, prompts, params), waiting)
     assert llm.stats["overlapped_steps"] > 0 and llm.allocator.num_used == 0
     assert sorted(llm.free_rows) == list(range(llm.max_batch_size))
@@ -590,6 +592,8 @@ def test_overlapped_decoding_equals_waiting_for_every_step(case):
         assert llm.stats["decode_tokens"] == sum(len(r[0]) for r in waiting) - len(prompts)   # extra tokens dropped
     if case == "preemption":
         assert llm.stats["preemptions"] > 0
+    with pytest.raises(ValueError, match="in_flight"):
+        LLM(model, in_flight=0)
 
 
 def test_overlapped_stop_strings_and_streaming_equal_waiting():
@@ -752,9 +756,10 @@ def test_overlapped_graphs_equal_waiting_gpu():
               enumerate(zip(params, free))]
     for kv in (None, 64):
         waiting = _outputs(LLM(model, block_size=4, kv_cache_tokens=kv, overlap=False), prompts, params)
-        llm = LLM(model, block_size=4, kv_cache_tokens=kv)
-        assert_same_outputs(_outputs(llm, prompts, params), waiting)
-        assert llm.stats["overlapped_steps"] > 0
+        for in_flight in (1, 2):
+            llm = LLM(model, block_size=4, kv_cache_tokens=kv, in_flight=in_flight)
+            assert_same_outputs(_outputs(llm, prompts, params), waiting)
+            assert llm.stats["overlapped_steps"] > 0 and llm.allocator.num_used == 0
     fused = LLM(model, fused_decode="auto")
     outs = fused.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
     assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 16)

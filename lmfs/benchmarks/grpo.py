@@ -22,7 +22,7 @@ GPU's busy time in it, and the longest stretches the GPU sat idle with what the 
 model seldom produces its stop token, so most responses run to the limit in both: equal work; the
 mean response lengths are printed to show it. The engine's flags (CUDA graphs, fused decode, autocast) are printed with
 lmfs's row, and where the step goes: the rollout's decode device time against its wall time (the
-rest is the host's work and waits), how many decode steps were launched while the one before was
+rest is the host's work and waits), how many decode steps were launched while an earlier one was
 in flight, and the update's time per micro-batch (the update without its optimizer step, divided
 by the micro-batches) and of the optimizer step. Why one micro-batch on a GPU: at this model's size a
 micro-batch's forward and backward are bound by the host's launches (about 12 ms of kernels in 75 ms
@@ -391,7 +391,7 @@ def _print(result: dict) -> None:
         "(no device time off CUDA)"
     print(f"lmfs rollout per step: {r['wall_seconds']:.3f} s wall; decode {device} {r['decode_seconds']:.3f} s wall "
           f"({r['decode_wait_seconds']:.3f} s of it waiting for tokens), {r['overlapped_steps']:.0f} of "
-          f"{r['decode_steps']:.0f} decode steps launched while the one before ran; "
+          f"{r['decode_steps']:.0f} decode steps launched while an earlier one ran; "
           f"prefill {r['prefill_seconds']:.3f} s; outside both (requests, admission, outputs, texts) "
           f"{r['wall_seconds'] - r['prefill_seconds'] - r['decode_seconds']:.3f} s")
     print(f"lmfs update per step: {u['seconds']:.3f} s = {u['micro_batches']} micro-batch(es) of up to "

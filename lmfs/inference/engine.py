@@ -23,13 +23,17 @@
 * **Overlap** (``overlap=True``). Since step ``n + 1`` needs nothing from the host that step ``n``
   produced (its tokens and positions are already on the device), the engine launches step ``n + 1``
   *before* it reads step ``n``'s tokens: the ids travel to pinned host memory while the device
-  computes, and the host's bookkeeping of step ``n`` runs during step ``n + 1``. The price: a request
-  that stops on a stop token (or string) at step ``n`` has already been fed to step ``n + 1``; that
-  extra token is dropped (its keys went to the request's own blocks, freed once the step is read).
-  A request ending by length is known ahead and sits the step out. A prefill of plain requests
+  computes, and the host's bookkeeping of step ``n`` runs during step ``n + 1``. It keeps
+  ``in_flight`` steps launched ahead (2 by default): with one, the host must read a step and launch
+  the next within one step's device time, and a host that takes about as long as the device (a
+  small model's decode step on a GPU) lets the device run dry whenever it is late; with two, a late
+  step is made up by the next. The price: a request that stops on a stop token (or string) at step
+  ``n`` has already been fed to the steps launched after it; those extra tokens are dropped (their
+  keys went to the request's own blocks, freed once the last such step is read). A request ending
+  by length is known ahead and sits those steps out. A prefill of plain requests
   (temperature only) is treated the same way: its first tokens are drawn on the device, and read
   with the first decode step, which is launched before them. Anything that needs every
-  token on the host first waits for the step in flight: admitting requests (prefill), preempting,
+  token on the host first waits for the steps in flight: admitting requests (prefill), preempting,
   repetition penalties (they read the tokens so far) and MLA (whose decode batches are built on
   the host).
 * **CUDA graphs** (GPU): the whole decode step, forward and sampling, is captured once per padded
@@ -138,6 +142,10 @@ class _Request:
                              self.finish_reason, self.error)
 
 
+# what a step hands the stream per new token: its request, the token, the text it makes decodable
+_Event = tuple[_Request, int, str]
+
+
 def _as_token_lists(prompts, tokenizer) -> list:
     if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
         raise TypeError("prompts must be a list of prompts (strings or lists of token ids), "
@@ -165,6 +173,10 @@ def _params_list(params, n: int) -> list[SamplingParams]:
 def _settings(reqs: list[_Request]) -> tuple:
     """The requests' sampling settings: their params, temperatures, generators (None when none is
     seeded: draw_uniforms then skips its loop) and the distinct params (often one object for all)."""
+    first = reqs[0].params if reqs else None
+    if first is not None and first.seed is None and all(r.params is first for r in reqs):
+        n = len(reqs)    # the common case, one unseeded params object for all: no loop over the requests
+        return [first] * n, [first.temperature] * n, None, (first,)
     params = [r.params for r in reqs]
     generators = [r.generator for r in reqs]
     if all(g is None for g in generators):
@@ -215,8 +227,9 @@ class LLM:
     ``fused_decode``: ``"auto"`` (:class:`lmfs.kernels.decode.FusedDecode` for decode steps and prefills on
     CUDA when it supports the model), True (required; also on the CPU, where its Triton kernels
     run in the interpreter) or False (:func:`~lmfs.inference.paged_forward`); ``overlap``: launch
-    each decode step before reading the previous one's tokens (module docstring; False waits for
-    every step, which gives the same outputs); ``progress``: a progress bar over requests (None:
+    decode steps before reading the tokens of those before (module docstring; False waits for
+    every step, which gives the same outputs), keeping up to ``in_flight`` steps launched whose
+    tokens are not read yet; ``progress``: a progress bar over requests (None:
     only on a terminal or notebook); ``autocast``: None (compute in the weights' dtype) or a 16-bit
     dtype to run the forwards in (module docstring, "Autocast").
 
@@ -226,7 +239,7 @@ class LLM:
     Tokens of a shared block count once per request using it. A sliding-window model keeps the
     blocks that have left its window (simple, not minimal). How decode ran: ``cuda_graphs`` and
     ``fused_decode`` (whether its steps replayed CUDA graphs, ran the fused forward),
-    ``overlapped_steps`` (steps launched while the one before was still in flight),
+    ``overlapped_steps`` (steps launched while an earlier one was still in flight),
     ``decode_wait_seconds`` (host time spent waiting for a step's tokens: the rest of
     ``decode_seconds`` is host work) and, on CUDA, ``decode_device_seconds`` (device time of the
     steps, from CUDA events). ``decode_steps`` counts steps launched, ``decode_tokens`` tokens kept.
@@ -235,7 +248,7 @@ class LLM:
     def __init__(self, model, tokenizer=None, block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_batch_size: int = 256, max_batch_tokens: int = 4096, cuda_graphs="auto",
                  attention: str = "auto", fused_decode="auto", overlap: bool = True,
-                 progress: bool | None = None, autocast: torch.dtype | None = None):
+                 in_flight: int = 2, progress: bool | None = None, autocast: torch.dtype | None = None):
         cfg = model.config
         param = next(model.parameters())
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
@@ -248,7 +261,10 @@ class LLM:
             raise ValueError(f"max_batch_size={max_batch_size} and max_batch_tokens={max_batch_tokens} "
                              "must be positive")
         self.block_size, self.max_batch_size, self.max_batch_tokens = block_size, max_batch_size, max_batch_tokens
-        self.progress, self.overlap = progress, bool(overlap)
+        if in_flight < 1:
+            raise ValueError(f"in_flight={in_flight}: keep at least one decode step in flight (overlap=False "
+                             "waits for every step)")
+        self.progress, self.overlap, self.in_flight = progress, bool(overlap), in_flight
         if kv_cache_tokens is None:
             kv_cache_tokens = self._default_kv_tokens()
         self.cache = PagedKVCache.for_model(model, kv_cache_tokens, block_size, dtype=self.dtype)
@@ -274,7 +290,7 @@ class LLM:
         self._graph_pool = None
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
-        self._pending: _Step | None = None    # the decode step in flight, its tokens not read yet
+        self._pending: deque[_Step] = deque()  # the steps in flight, oldest first, their tokens not read yet
         self._finished: list[_Request] = []   # finished at this step (_accept appends, _run clears)
         self._events, self._accepted = True, 0  # whether _accept lists its tokens; how many it took
         self.stats = self._empty_stats()
@@ -370,7 +386,7 @@ class LLM:
         """Whether a decode step runs on the device whose tokens the host has not read yet: host work
         done now (in an ``on_finish`` callback, say) hides behind it. False once the last answers
         of a :meth:`generate` are handed over, since nothing is left to compute then."""
-        return self._pending is not None
+        return bool(self._pending)
 
     @staticmethod
     def _empty_stats() -> dict:
@@ -417,8 +433,8 @@ class LLM:
         produced (the text piece is ``""`` without a tokenizer, or while a character is incomplete)."""
         requests = self._requests(prompts, params)
         for events in self._run(requests, progress):
-            for req, token in events:
-                yield req.index, token, _text_piece(req, self.tokenizer)
+            for req, token, piece in events:
+                yield req.index, token, piece
 
     # ------------------------------------------------------------------------------------------
     # Requests and the scheduler
@@ -453,8 +469,8 @@ class LLM:
                     f"{self.allocator.usable}: raise kv_cache_tokens or lower max_tokens")
         return None
 
-    def _run(self, requests: list[_Request], progress, events: bool = True) -> Iterator[list[tuple[_Request, int]]]:
-        """Schedule until every request is finished, yielding the ``(request, token)`` pairs of each
+    def _run(self, requests: list[_Request], progress, events: bool = True) -> Iterator[list[_Event]]:
+        """Schedule until every request is finished, yielding the events (``_Event``) of each
         step's new tokens (one list a step: a rollout of 256 answers of 256 tokens is 65k tokens, and
         the host's time per token counts); with ``events=False`` empty lists, for a consumer that
         reads only ``self._finished``, the requests finished at that step (a tuple per token is
@@ -474,10 +490,10 @@ class LLM:
         waiting = deque(r for r in requests if r.finish_reason is None)
         running: list[_Request] = []
         try:
-            while waiting or running or self._pending is not None:
+            while waiting or running or self._pending:
                 admitted = self._admit(waiting, running)
                 start = time.perf_counter()
-                if admitted:   # the prefill starts from known tokens: read the step in flight first
+                if admitted:   # the prefill starts from known tokens: read the steps in flight first
                     events = self._drain(running)
                     s["decode_seconds"] += time.perf_counter() - start
                     events += self._prefill(admitted, running)
@@ -492,8 +508,8 @@ class LLM:
             # time-averaged KV memory in use per byte of cached tokens (>= 1)
             s["kv_memory_ratio"] = s["kv_bytes_in_use"] / s["kv_bytes_of_tokens"] if s["kv_bytes_of_tokens"] else None
             s["fused_decode"] = self._fused is not None and s["decode_steps"] > 0
-            step, self._pending = self._pending, None
-            for r in running + (step.requests if step is not None else []):
+            steps, self._pending = self._pending, deque()
+            for r in running + [r for step in steps for r in step.requests]:
                 self._release(r)   # a consumer that stops early leaves no blocks behind
 
     def _admit(self, waiting: deque, running: list) -> list[_Request]:
@@ -502,7 +518,7 @@ class LLM:
         admitted, tokens = [], 0
         bs, alloc = self.block_size, self.allocator
         # free rows, not max_batch_size - len(running): a request that stopped keeps its row until
-        # the step in flight that still holds it is read
+        # the last step in flight that still holds it is read
         while waiting and self.free_rows:
             r = waiting[0]
             seq = r.tokens
@@ -541,12 +557,13 @@ class LLM:
             r.row = None
 
     def _accept(self, reqs: list[_Request], ids: list[float], lps: list[float],
-                running: list) -> list[tuple[_Request, int]]:
+                running: list) -> list[_Event]:
         """Append each request's sampled token (``ids``, ``lps``: host lists, one entry per request),
         finish and free those that are done. A request that finished at an earlier step (it was
-        fed to this one before its stop token was read) drops its token here and is freed; one
-        that finishes now while a later step holds it is freed when that step is read. Returns the
-        ``(request, token)`` events if :meth:`_run` was asked for them (else an empty list), and
+        fed to this one before its stop token was read) drops its token here, and is freed once no
+        later step in flight holds it (``device_len`` counts the tokens read and in flight); one
+        that finishes now while later steps hold it is freed when the last of them is read. Returns the
+        ``(request, token, text piece)`` events if :meth:`_run` was asked for them (else an empty list), and
         counts the tokens taken in ``self._accepted``.
 
         This loop runs once per token, so it reads only what each request keeps for it (its stop
@@ -555,24 +572,25 @@ class LLM:
         record, dropped = self._events, 0
         for r, t, lp in zip(reqs, ids, lps):
             if r.finish_reason is not None:
-                self._release(r)
+                r.device_len -= 1
+                if r.device_len <= r.length:   # the last step in flight that held it
+                    self._release(r)
                 dropped += 1
                 continue
             t = int(t)
             out = r.out
             out.append(t)
             r.logprobs.append(lp)
-            if record:
-                events.append((r, t))
             # _finish only for a token that may end r (most end nothing, and this runs for every token)
-            if not (r.watch_text or t in r.stop_ids or len(out) >= r.max_out):
-                continue
-            _finish(r, ctx, tokenizer)
-            if r.finish_reason is not None:
-                done = True
-                self._finished.append(r)
-                if r.device_len <= r.length:   # no step in flight holds it
-                    self._release(r)
+            if r.watch_text or t in r.stop_ids or len(out) >= r.max_out:
+                _finish(r, ctx, tokenizer)
+                if r.finish_reason is not None:
+                    done = True
+                    self._finished.append(r)
+                    if r.device_len <= r.length:   # no step in flight holds it
+                        self._release(r)
+            if record:   # the text this token makes decodable, now: a later token of r may come in the same read
+                events.append((r, t, _text_piece(r, tokenizer)))
         if done:
             running[:] = [r for r in running if r.finish_reason is None]
         self._accepted = len(reqs) - dropped
@@ -583,7 +601,7 @@ class LLM:
         previous = [r.tokens for r in reqs] if any(p.repetition_penalty != 1 for p in params) else None
         return sample(logits, params, [r.generator for r in reqs], previous)
 
-    def _prefill(self, admitted: list[_Request], running: list) -> list[tuple[_Request, int]]:
+    def _prefill(self, admitted: list[_Request], running: list) -> list[_Event]:
         start = time.perf_counter()
         chunks = [(r.tokens[r.cached:], r.cached, r.blocks) for r in admitted]
         batch = gathered_batch(chunks, self.block_size, self.config.window, self.device)
@@ -617,7 +635,8 @@ class LLM:
         if plain and self.overlap and self.config.attention != "mla":
             # the first tokens are read with the next decode step, launched before them (its inputs are
             # on the device already); MLA's decode batches are built from the host's tokens
-            self._pending, events = self._in_flight(admitted, drawn, wait=False, prefill=True), []
+            self._pending.append(self._in_flight(admitted, drawn, wait=False, prefill=True))
+            events = []
         else:
             events = self._accept(admitted, *drawn.tolist(), running)
         s["prefill_seconds"] += time.perf_counter() - start
@@ -630,17 +649,18 @@ class LLM:
         waiting.appendleft(r)
         self.stats["preemptions"] += 1
 
-    def _decode(self, waiting: deque, running: list) -> list[tuple[_Request, int]]:
-        """Launch one decode step for the running requests, then read the tokens of the step before
-        it (module docstring, "Overlap"); returns the events of the tokens read."""
+    def _decode(self, waiting: deque, running: list) -> list[_Event]:
+        """Launch one decode step for the running requests, then read the tokens of the oldest steps
+        in flight until ``in_flight`` are left (module docstring, "Overlap"); returns the events of
+        the tokens read."""
         bs, alloc = self.block_size, self.allocator
-        # A request whose token in flight is its last by length sits this step out. The token fed
+        # A request whose last token by length is in flight already sits this step out. The token fed
         # now sits at position device_len - 1; a request whose position starts a new block needs one.
         batch = [r for r in running if r.device_len < r.end]
         needy = [r for r in batch if (r.device_len - 1) // bs >= len(r.blocks)]
         events = []
         if len(needy) > alloc.num_free:
-            # Preempting needs every token on the host: read the step in flight (it may free blocks),
+            # Preempting needs every token on the host: read the steps in flight (they may free blocks),
             # then preempt the newest requests until the blocks are there.
             events = self._drain(running)
             while True:
@@ -659,13 +679,13 @@ class LLM:
             updates = self._upload([rows, cols, blocks])   # one small copy
             self.tables[updates[0], updates[1]] = updates[2].to(torch.int32)
         self._account(running)
-        previous, self._pending = self._pending, None
-        if batch:   # empty when every running request's token in flight is its last
-            self._pending = self._launch(batch)
-            self.stats["overlapped_steps"] += previous is not None
-        events += self._read(previous, running)
-        if self._pending is not None and self._pending.wait:
-            events += self._drain(running)
+        keep = 0    # steps left in flight: none if nothing was launched or the new step must be read now
+        if batch:   # empty when every running request's last token is in flight
+            self.stats["overlapped_steps"] += bool(self._pending)
+            self._pending.append(self._launch(batch))
+            keep = 0 if self._pending[-1].wait else self.in_flight
+        while len(self._pending) > keep:
+            events += self._read(self._pending.popleft(), running)
         return events
 
     def _launch(self, batch: list[_Request]) -> _Step:
@@ -711,10 +731,8 @@ class LLM:
         done.record()
         return _Step(requests, host, wait, started, done, prefill)
 
-    def _read(self, step: _Step | None, running: list) -> list[tuple[_Request, int]]:
+    def _read(self, step: _Step, running: list) -> list[_Event]:
         """Wait for ``step``'s tokens and take them in (:meth:`_accept`)."""
-        if step is None:
-            return []
         s = self.stats
         if step.done is not None:
             start = time.perf_counter()
@@ -728,10 +746,12 @@ class LLM:
             s["decode_tokens"] += self._accepted
         return events
 
-    def _drain(self, running: list) -> list[tuple[_Request, int]]:
-        """Read the step in flight, if any: afterwards the host knows every token."""
-        step, self._pending = self._pending, None
-        return self._read(step, running)
+    def _drain(self, running: list) -> list[_Event]:
+        """Read the steps in flight, if any: afterwards the host knows every token."""
+        events = []
+        while self._pending:
+            events += self._read(self._pending.popleft(), running)
+        return events
 
     def _upload(self, values, dtype=torch.long) -> torch.Tensor:
         """Host ``values`` as a device tensor, without waiting for the step in flight (:func:`upload`)."""
