@@ -174,7 +174,7 @@ def _settings(reqs: list[_Request]) -> tuple:
     """The requests' sampling settings: their params, temperatures, generators (None when none is
     seeded: draw_uniforms then skips its loop) and the distinct params (often one object for all)."""
     first = reqs[0].params if reqs else None
-    if first is not None and first.seed is None and all(r.params is first for r in reqs):
+    if reqs and first.seed is None and all(r.params is first for r in reqs):
         n = len(reqs)    # the common case, one unseeded params object for all: no loop over the requests
         return [first] * n, [first.temperature] * n, None, (first,)
     params = [r.params for r in reqs]
@@ -684,9 +684,7 @@ class LLM:
             self.stats["overlapped_steps"] += bool(self._pending)
             self._pending.append(self._launch(batch))
             keep = 0 if self._pending[-1].wait else self.in_flight
-        while len(self._pending) > keep:
-            events += self._read(self._pending.popleft(), running)
-        return events
+        return events + self._drain(running, keep)
 
     def _launch(self, batch: list[_Request]) -> _Step:
         """Start the decode step of ``batch`` on the device and the copy of its tokens to the host,
@@ -746,10 +744,11 @@ class LLM:
             s["decode_tokens"] += self._accepted
         return events
 
-    def _drain(self, running: list) -> list[_Event]:
-        """Read the steps in flight, if any: afterwards the host knows every token."""
+    def _drain(self, running: list, keep: int = 0) -> list[_Event]:
+        """Read the oldest steps in flight until ``keep`` are left (none: afterwards the host knows
+        every token)."""
         events = []
-        while self._pending:
+        while len(self._pending) > keep:
             events += self._read(self._pending.popleft(), running)
         return events
 
