@@ -256,6 +256,65 @@ def test_training_step_scoring_inside_the_update_equals_scoring_first():
     assert record["reward_s"] > 0 and record["update_s"] > 0
 
 
+def fused_adamw(tr):
+    """Give a CPU trainer the optimizer path of a GPU one: torch's fused AdamW, stepped without
+    waiting for the loss (a step from a non-finite loss is skipped through found_inf)."""
+    c = tr.config
+    tr.optimizer = torch.optim.AdamW(tr.policy.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay,
+                                     fused=True)
+    tr._torch_optimizer = True
+    return tr
+
+
+def run_steps(overlap, steps=3, torch_adamw=False, device="cpu", **config):
+    from lmfs.benchmarks.grpo import RolloutRecorder
+
+    model, tok = tiny()
+    tr = trainer(model.to(device), tok, lr=1e-2, overlap_steps=overlap, **config)
+    if torch_adamw:
+        fused_adamw(tr)
+    recorder = RolloutRecorder(tr)
+    torch.manual_seed(4)
+    history = tr.train(steps)
+    recorder.close()
+    return tr, history, recorder.early
+
+
+@pytest.mark.parametrize("torch_adamw", [False, True])
+def test_overlapped_steps_train_as_steps_one_after_another(torch_adamw):
+    """With overlap_steps each step starts the next one's rollout during its update (after the
+    optimizer step is queued): the same rollouts, losses and weights as without, nothing left
+    started at the end, and a second train() call goes on from there."""
+    (plain, h0, early0), (overlapped, h1, early1) = (run_steps(o, torch_adamw=torch_adamw) for o in (False, True))
+    assert (early0, early1) == (0, 2)
+    assert h1.reward == h0.reward and h1.response_length == h0.response_length
+    assert h1.loss == pytest.approx(h0.loss, rel=1e-5, abs=1e-7)
+    for (name, a), b in zip(plain.policy.named_parameters(), overlapped.policy.parameters()):
+        torch.testing.assert_close(b, a, msg=name)
+    assert overlapped._next_rollout is None and overlapped.llm.allocator.num_used == 0
+    assert len(overlapped.train(5).reward) == 5
+
+
+def test_a_non_finite_loss_leaves_the_weights_and_frees_the_started_rollout(monkeypatch):
+    """Stepped without waiting for the loss, a non-finite loss is skipped on the device, the step
+    raises, and the rollout it had started for the next step is closed."""
+    from lmfs.alignment import grpo
+    from lmfs.benchmarks.grpo import RolloutRecorder
+
+    model, tok = tiny()
+    tr = fused_adamw(trainer(model, tok))
+    recorder = RolloutRecorder(tr)
+    before = copy.deepcopy(model.state_dict())
+    monkeypatch.setattr(grpo, "aggregate", lambda per_token, mask, **kw: per_token.sum() * float("nan"))
+    with pytest.raises(FloatingPointError, match="diverged"):
+        tr.train(3)
+    assert recorder.early == 1
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], msg=name)
+    assert tr._next_rollout is None and tr.llm.allocator.num_used == 0
+    assert sorted(tr.llm.free_rows) == list(range(tr.llm.max_batch_size))
+
+
 @pytest.mark.parametrize("epochs", [1, 3])
 def test_old_logprobs_from_the_first_epoch_equal_a_separate_forward(epochs):
     """The trainer runs no forward pass for the old log-probs: it takes them, detached, from its first
@@ -467,6 +526,17 @@ def test_forward_timer_times_every_prefill_and_decode_step():
     assert timer.real_rows >= s["prefill_tokens"] + s["decode_tokens"] and timer.useful_seconds() > 0
     timer.close()
     assert llm._forward is forward and "_decode_step" not in vars(llm)
+
+
+@pytest.mark.gpu
+def test_overlapped_steps_on_cuda_train_as_steps_one_after_another():
+    """On a GPU (CUDA graphs, bf16, torch's fused AdamW stepped without waiting for the loss) a
+    rollout started during the update before samples what it would have sampled after it."""
+    (plain, h0, early0), (overlapped, h1, early1) = (run_steps(o, device="cuda") for o in (False, True))
+    assert overlapped._torch_optimizer and overlapped.llm.cuda_graphs and (early0, early1) == (0, 2)
+    assert h1.reward == h0.reward and h1.response_length == h0.response_length
+    for (name, a), b in zip(plain.policy.named_parameters(), overlapped.policy.parameters()):
+        torch.testing.assert_close(b, a, msg=name)
 
 
 @pytest.mark.gpu

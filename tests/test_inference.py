@@ -314,6 +314,34 @@ def test_greedy_and_seeded_sampling():
 # ---------------------------------------------------------------------------------------------
 # The engine
 
+def test_start_then_result_equals_generate_and_holds_the_engine():
+    """LLM.start admits and prefills, result() finishes: the same outputs as generate, callbacks
+    included; while a start is open the engine refuses other work, and close() frees what it held."""
+    model = tiny()
+    prompts = random_prompts([3, 9, 17, 5])
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(4)]
+    llm = LLM(model)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    finished = []
+    started = llm.start(prompts + [[]], params + [SamplingParams()], on_finish=finished.append)
+    assert [o.index for o in finished] == [4]                 # the refused request is handed over at once
+    assert llm.stats["prefill_steps"] == 1 and llm.stats["decode_steps"] == 0
+    with pytest.raises(RuntimeError, match="earlier start"):
+        llm.generate(prompts, params)
+    with pytest.raises(RuntimeError, match="start"):
+        list(llm.stream(prompts, params))
+    outs = started.result()
+    assert [o.token_ids for o in outs[:4]] == expected and outs[4].finish_reason == "error"
+    assert sorted(o.index for o in finished) == [0, 1, 2, 3, 4] and started.result() is outs
+    abandoned = llm.start(prompts, params)
+    assert llm.allocator.num_used > 0
+    abandoned.close()
+    assert llm.allocator.num_used == 0 and sorted(llm.free_rows) == list(range(llm.max_batch_size))
+    with pytest.raises(RuntimeError, match="closed"):
+        abandoned.result()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
 @pytest.mark.parametrize("name", ["mha", "gqa", "mla", "window", "moe", "qknorm_softcaps"])
 def test_engine_greedy_equals_generate(name):
     model = tiny(**VARIANTS[name])

@@ -89,7 +89,10 @@ class GRPOConfig:
     packed into one row, each attending only to itself, instead of right-padded to the longest
     (:func:`~lmfs.alignment.sft.packed_response_logprobs`: the same log-probs, without computing the
     padding; variable-length flash attention on a GPU, elsewhere a block-diagonal mask, for micro-batches
-    of at most :data:`~lmfs.kernels.fused.MASKED_PACKING_TOKENS` tokens);
+    of at most :data:`~lmfs.kernels.fused.MASKED_PACKING_TOKENS` tokens); ``overlap_steps``: start a
+    step's rollout while the device still runs the update of the step before, when nothing runs in
+    between (:meth:`GRPOTrainer.train_step`; the same samples, since the rollout's random draws
+    come after the update's either way);
     ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
     and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
     (0: never), with ``eval_samples`` answers per problem.
@@ -119,6 +122,7 @@ class GRPOConfig:
     autocast: str = "auto"
     fused_update: bool = True
     packed_update: bool = False
+    overlap_steps: bool = True
     seed: int = 0
     progress: bool = True
 
@@ -316,6 +320,7 @@ class GRPOTrainer:
         self.history = GRPOHistory()
         self.rollout_stats: dict = {}          # the engine's statistics of the last rollout
         self.last_rollout: Rollout | None = None
+        self._next_rollout: tuple[int, Callable[[], Rollout]] | None = None   # (its step, finish) if started
         self._resume()
 
     # ------------------------------------------------------------------------------------------
@@ -354,7 +359,7 @@ class GRPOTrainer:
         # settings that do not change what is trained; settings of older versions, and settings a
         # checkpoint predates, are not compared
         ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "fused_update",
-                   "packed_update"}
+                   "packed_update", "overlap_steps"}
         differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
                      if k not in ignored and k in stored and stored[k] != current[k] and not (
                          isinstance(current[k], tuple) and list(current[k]) == stored.get(k))]
@@ -398,7 +403,6 @@ class GRPOTrainer:
             ids = ids[:-1]
         return self.tokenizer.decode(ids)
 
-    @torch.no_grad()
     def rollout(self, indices: Sequence[int], texts: bool = True) -> Rollout:
         """Answer each problem of ``indices`` ``group_size`` times through the engine (phase 1).
         A request the engine refuses gets an empty response (no tokens, reward 0).
@@ -408,6 +412,13 @@ class GRPOTrainer:
         last ones, when nothing is left to compute) keep ``None`` for :meth:`score` to decode: the
         training step scores while the device runs the update's first forward (:meth:`update`), so
         that their decoding waits for nothing."""
+        return self.start_rollout(indices, texts)()
+
+    @torch.no_grad()
+    def start_rollout(self, indices: Sequence[int], texts: bool = True) -> Callable[[], Rollout]:
+        """:meth:`rollout` in two halves (:meth:`lmfs.inference.LLM.start`): admits the requests and
+        launches their prefill without waiting for the device, and returns the function that
+        finishes the rollout and returns it."""
         G = self.config.group_size
         prompts = [self.prompts[i] for i in indices for _ in range(G)]
         decoded: list[str | None] = [None] * len(prompts)
@@ -418,12 +429,19 @@ class GRPOTrainer:
             elif texts or self.llm.step_in_flight:
                 decoded[out.index] = self.response_text(out.token_ids)
 
-        outputs = self.llm.generate(prompts, self._sampling(), progress=False, on_finish=decode)
-        self.rollout_stats = dict(self.llm.stats)
-        return Rollout(problems=[self.problems[i] for i in indices for _ in range(G)], prompt_ids=prompts,
-                       response_ids=[o.token_ids if o.finish_reason != "error" else [] for o in outputs],
-                       texts=decoded, sampler_logprobs=[o.logprobs or [] for o in outputs],
-                       rewards=torch.zeros(len(prompts)), correct=torch.zeros(len(prompts)))
+        generation = self.llm.start(prompts, self._sampling(), progress=False, on_finish=decode)
+
+        @torch.no_grad()
+        def finish() -> Rollout:
+            outputs = generation.result()
+            self.rollout_stats = dict(self.llm.stats)
+            return Rollout(problems=[self.problems[i] for i in indices for _ in range(G)], prompt_ids=prompts,
+                           response_ids=[o.token_ids if o.finish_reason != "error" else [] for o in outputs],
+                           texts=decoded, sampler_logprobs=[o.logprobs or [] for o in outputs],
+                           rewards=torch.zeros(len(prompts)), correct=torch.zeros(len(prompts)))
+
+        finish.generation = generation
+        return finish
 
     def score(self, rollout: Rollout) -> Rollout:
         """Rewards, the true checker's verdicts and the group-normalised advantages (phase 2), and the
@@ -499,10 +517,16 @@ class GRPOTrainer:
             counts = [len(rows) for rows, _, _ in batches]
         return [n / max(sum(counts), 1) for n in counts]
 
-    def update(self, rollout: Rollout, batches, ref_logps=None) -> dict:
+    def update(self, rollout: Rollout, batches, ref_logps=None, then: Callable[[], None] | None = None) -> dict:
         """``epochs_per_batch`` optimizer steps over the rollout batch (phase 4). Returns the last
         epoch's loss and clip fraction, and the first epoch's entropy and KL to the reference (per
         response token, measured before any update: the policy that sampled the batch).
+
+        ``then``, if given, is called once the last optimizer step is queued, before the host waits
+        for the device (:meth:`train_step` starts the next rollout there). With torch's fused AdamW
+        (``fused_update`` on CUDA) the host does not wait for the loss before the step: the step is
+        skipped on the device when the loss is not finite (the optimizer's ``found_inf``), and the
+        loss is read afterwards, so the weights never take a step from a non-finite loss either way.
 
         The old log-probs come from the first epoch's own forward passes, detached: the optimizer
         steps only after the whole epoch, so every micro-batch of it sees the sampling policy.
@@ -549,14 +573,23 @@ class GRPOTrainer:
                 (loss * w).backward()
                 loss_sum = loss_sum + loss.detach() * w
                 clipped = clipped + clip_fraction(logp, old_logps[j], advantages[j], mask, c.clip) * mask.sum()
-            loss_value = loss_sum.item()    # one wait per epoch: a non-finite loss must not reach the weights
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"the GRPO loss is {loss_value} at step {self.step + 1}: training "
-                                         f"diverged. Lower the learning rate (lr={c.lr:g}) or keep grad_clip on")
+            if self._torch_optimizer:        # the step is skipped on the device if the loss is not finite
+                self.optimizer.found_inf = (~torch.isfinite(loss_sum)).float()
+            else:                            # one wait per epoch: a non-finite loss must not reach the weights
+                self._check_loss(loss_sum.item())
             self._optimizer_step()
+            if then is not None and epoch == c.epochs_per_batch - 1:
+                then()
+            loss_value = loss_sum.item()
+            self._check_loss(loss_value)
         return dict(loss=loss_value, clip_fraction=clipped.item() / tokens, entropy=entropy_sum.item() / tokens,
                     kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"),
                     score_seconds=score_seconds)
+
+    def _check_loss(self, value: float) -> None:
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the GRPO loss is {value} at step {self.step + 1}: training diverged. "
+                                     f"Lower the learning rate (lr={self.config.lr:g}) or keep grad_clip on")
 
     def _optimizer_step(self) -> None:
         """Clip the gradient, step the optimizer (in place: the engine reads the new weights, see
@@ -573,8 +606,12 @@ class GRPOTrainer:
             torch.autograd.graph.increment_version(params)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self) -> dict:
-        """One GRPO step (rollout, reward, reference, update); returns its record."""
+    def train_step(self, start_next: bool = False) -> dict:
+        """One GRPO step (rollout, reward, reference, update); returns its record. With
+        ``start_next``, the next step's rollout is started (:meth:`start_rollout`) as soon as this
+        step's optimizer step is queued, so that the host admits and prefills its requests while the
+        device finishes the update; the next call finishes that rollout. Its start-up is then timed
+        in this step's update phase."""
         c, dev, seconds = self.config, self.device, {}
 
         def phase(name, fn):
@@ -585,15 +622,26 @@ class GRPOTrainer:
             seconds[name] = time.perf_counter() - start
             return out
 
+        started, self._next_rollout = self._next_rollout, None
+        if started is not None and started[0] != self.step:   # (not this step's: a step was skipped)
+            started[1].generation.close()
+            started = None
         indices = self.sample_problems(self.step)
-        rollout = phase("rollout", lambda: self.rollout(indices, texts=False))
+        rollout = phase("rollout", started[1] if started else lambda: self.rollout(indices, texts=False))
         # The batches need only the tokens. The rollout is scored inside the update, on the host while
         # the device runs the first forward (update): the reward phase is the host's time in both.
         start = time.perf_counter()
         batches = self.micro_batches(rollout)
         seconds["reward"] = time.perf_counter() - start
         ref = phase("reference", lambda: self.logprobs_of(self.reference, batches, rollout) if self.reference else None)
-        stats = phase("update", lambda: self.update(rollout, batches, ref))
+        def next_rollout():
+            self._next_rollout = (self.step + 1, self.start_rollout(self.sample_problems(self.step + 1), texts=False))
+
+        try:
+            stats = phase("update", lambda: self.update(rollout, batches, ref, then=next_rollout if start_next else None))
+        except BaseException:
+            self.close()
+            raise
         scoring = stats.pop("score_seconds")
         seconds["reward"] += scoring
         seconds["update"] -= scoring
@@ -610,7 +658,12 @@ class GRPOTrainer:
         c = self.config
         bar = tqdm(range(self.step, steps), initial=self.step, total=steps, desc="GRPO", disable=not c.progress)
         for _ in bar:
-            record = self.train_step()
+            # the next rollout may start during this step's update if nothing else uses the engine or
+            # the random state in between (an evaluation, a checkpoint: it holds the RNG's state)
+            after = self.step + 1
+            start_next = (c.overlap_steps and after < steps and not (c.eval_every and after % c.eval_every == 0)
+                          and not (self.checkpoint_path and after % c.checkpoint_every == 0))
+            record = self.train_step(start_next)
             self.step += 1
             for name, value in record.items():
                 getattr(self.history, name).append(value)
@@ -623,7 +676,14 @@ class GRPOTrainer:
             if self.checkpoint_path and (self.step % c.checkpoint_every == 0 or self.step == steps):
                 self.save()
         bar.close()
+        self.close()    # (nothing is left started: the last step starts no rollout)
         return self.history
+
+    def close(self) -> None:
+        """Abandon a rollout started for a step that will not run (its KV blocks are freed)."""
+        if self._next_rollout is not None:
+            self._next_rollout[1].generation.close()
+            self._next_rollout = None
 
     # ------------------------------------------------------------------------------------------
     # Evaluation

@@ -40,6 +40,10 @@ grows with the number of micro-batches; 256 sequences of up to 256 tokens fit in
     as useful: padding, scheduling and the host's waits, detokenising, rewards, the reference and
     the update. The rollout's share of the step and the useful share of the rollout are printed too.
     Goal on one H200: ≥ 70%.
+The timed steps run in one ``train`` call, so that each step may start the next one's rollout
+while the device finishes its update (``GRPOConfig.overlap_steps``; ``--no-overlap-steps`` turns it
+off); the host's time in such a start-up is counted in the rollout's phase, not the update's.
+
 (b) **Samples per second** (sequences per step / seconds per step, after warm-up steps) of lmfs's
     :class:`~lmfs.alignment.grpo.GRPOTrainer` and of TRL's ``GRPOTrainer`` (which generates with
     Hugging Face ``generate``: static batches padded to their longest member). Goal: ≥ 2×.
@@ -100,8 +104,7 @@ class ForwardTimer:
             raise RuntimeError("lmfs.inference.LLM has no _decode_step or _forward to time: update ForwardTimer "
                                "to the engine")
         self.llm, self.cuda = llm, llm.device.type == "cuda"
-        self.events: list = []
-        self.real_rows = self.computed_rows = 0
+        self.reset()
         self._in_decode = False
         self._decode, self._forward = llm._decode_step, llm._forward
         llm._decode_step = self._timed_decode
@@ -113,27 +116,41 @@ class ForwardTimer:
         del self.llm._decode_step
 
     def reset(self) -> None:
-        self.events, self.real_rows, self.computed_rows = [], 0, 0
+        # per kind of forward: its timed events, real rows and computed rows
+        self.kinds = {kind: ([], [0], [0]) for kind in ("decode", "prefill")}
 
-    def _time(self, fn, *args):
+    @property
+    def events(self) -> list:
+        return self.kinds["decode"][0] + self.kinds["prefill"][0]
+
+    @property
+    def real_rows(self) -> int:
+        return sum(real[0] for _, real, _ in self.kinds.values())
+
+    def _count(self, kind: str, real: int, computed: int) -> list:
+        _, r, c = self.kinds[kind]
+        r[0] += real
+        c[0] += computed
+        return self.kinds[kind][0]
+
+    def _time(self, events: list, fn, *args):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = fn(*args)
             end.record()
-            self.events.append((start, end))
+            events.append((start, end))
         else:
             start = time.perf_counter()
             out = fn(*args)
-            self.events.append(time.perf_counter() - start)
+            events.append(time.perf_counter() - start)
         return out
 
     def _timed_decode(self, state, *args):
-        self.real_rows += len(state["rows"])
-        self.computed_rows += state["size"]        # padded to the CUDA graph's batch size
+        events = self._count("decode", len(state["rows"]), state["size"])   # padded to the CUDA graph's size
         self._in_decode = True
         try:
-            return self._time(self._decode, state, *args)
+            return self._time(events, self._decode, state, *args)
         finally:
             self._in_decode = False
 
@@ -143,17 +160,23 @@ class ForwardTimer:
         if self._in_decode:
             return self._forward(model, cache, batch, *args)
         n = batch.tokens.numel()              # packed prompts, whose matmuls the fused forward pads
-        self.real_rows += n
-        self.computed_rows += prefill_rows(n) if self.llm._fused is not None else n
-        return self._time(self._forward, model, cache, batch, *args)
+        events = self._count("prefill", n, prefill_rows(n) if self.llm._fused is not None else n)
+        return self._time(events, self._forward, model, cache, batch, *args)
 
-    def useful_seconds(self) -> float:
+    def breakdown(self) -> dict:
+        """Per kind of forward (``decode``, ``prefill``): its timed ``seconds``, ``rows`` (real) and
+        ``computed_rows``, and ``useful_seconds``, the seconds scaled by real / computed rows."""
         if self.cuda:
             torch.cuda.synchronize()
-            total = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
-        else:
-            total = sum(self.events)
-        return total * self.real_rows / max(self.computed_rows, 1)
+        out = {}
+        for kind, (events, (real,), (computed,)) in self.kinds.items():
+            seconds = sum(s.elapsed_time(e) / 1e3 for s, e in events) if self.cuda else sum(events)
+            out[kind] = dict(seconds=seconds, rows=real, computed_rows=computed,
+                             useful_seconds=seconds * real / max(computed, 1))
+        return out
+
+    def useful_seconds(self) -> float:
+        return sum(part["useful_seconds"] for part in self.breakdown().values())
 
 
 def make_setup(sizes: Sizes, device: torch.device):
@@ -172,27 +195,81 @@ def make_setup(sizes: Sizes, device: torch.device):
 
 
 class OptimizerTimer:
-    """Wall seconds of the trainer's optimizer steps. The update reads its loss (a host wait) just
-    before the step and the phase timer waits for the device after it, so the waits added here
-    change nothing the step would not wait for anyway."""
+    """Seconds of the trainer's optimizer steps: device time between CUDA events around each step on
+    a GPU (no wait added: the trainer queues the step without waiting for the device), wall time on
+    the CPU."""
 
     def __init__(self, optimizer, device: torch.device):
-        from lmfs.bench.timing import synchronize
-
-        self.optimizer, self.seconds, self._step = optimizer, 0.0, optimizer.step
+        self.optimizer, self._step, self.events = optimizer, optimizer.step, []
+        self.cuda = device.type == "cuda"
 
         def timed(*args, **kwargs):
-            synchronize(device)
-            start = time.perf_counter()
-            out = self._step(*args, **kwargs)
-            synchronize(device)
-            self.seconds += time.perf_counter() - start
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = self._step(*args, **kwargs)
+                end.record()
+                self.events.append((start, end))
+            else:
+                start = time.perf_counter()
+                out = self._step(*args, **kwargs)
+                self.events.append(time.perf_counter() - start)
             return out
 
         optimizer.step = timed
 
+    @property
+    def seconds(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        return sum(self.events)
+
     def close(self) -> None:
         del self.optimizer.step
+
+
+class RolloutRecorder:
+    """Sums the engine's statistics of every rollout the trainer finishes, and the host's time in the
+    rollouts started early, during the update of the step before (``GRPOConfig.overlap_steps``):
+    the trainer's phase timer counts that start-up in the update."""
+
+    def __init__(self, trainer):
+        self.trainer, self._start, self._update = trainer, trainer.start_rollout, trainer.update
+        self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
+        self.early, self.early_seconds, self._in_update = 0, 0.0, False
+
+        def start_rollout(*args, **kwargs):
+            begin = time.perf_counter()
+            finish = self._start(*args, **kwargs)
+            if self._in_update:
+                self.early += 1
+                self.early_seconds += time.perf_counter() - begin
+
+            def done():
+                out = finish()
+                for key in ROLLOUT_STATS:
+                    self.stats[key] += trainer.rollout_stats.get(key) or 0.0   # None: no device time off CUDA
+                return out
+
+            done.generation = finish.generation
+            return done
+
+        def update(*args, **kwargs):
+            self._in_update = True
+            try:
+                return self._update(*args, **kwargs)
+            finally:
+                self._in_update = False
+
+        trainer.start_rollout, trainer.update = start_rollout, update
+
+    def reset(self) -> None:
+        self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
+        self.early, self.early_seconds = 0, 0.0
+
+    def close(self) -> None:
+        del self.trainer.start_rollout, self.trainer.update
 
 
 # The engine's statistics of a rollout that say where its time went (summed over the timed steps).
@@ -201,7 +278,7 @@ ROLLOUT_STATS = ("prefill_seconds", "decode_seconds", "decode_device_seconds", "
 
 
 def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_update: bool = True,
-             packed_update: bool = False, profile: bool = False) -> dict:
+             packed_update: bool = False, profile: bool = False, overlap_steps: bool = True) -> dict:
     """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
     decode step is captured in a CUDA graph for each batch size met, one on the CPU); with ``profile``,
     then one more step under the profiler (:func:`profile_step`)."""
@@ -212,54 +289,63 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     config = GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts,
                         max_new_tokens=sizes.max_new_tokens, micro_batch_size=sizes.micro_batch, lr=1e-6,
                         epochs_per_batch=1, kl_coef=0.0, temperature=1.0, progress=False, autocast=autocast,
-                        fused_update=fused_update, packed_update=packed_update)
+                        fused_update=fused_update, packed_update=packed_update, overlap_steps=overlap_steps)
     trainer = GRPOTrainer(model, tok, problems, config=config)
     trainer.stop_ids = (end_id(tok),)                     # TRL stops at its eos token only: so do we here
     # The timer goes in before the warm-up, so that the CUDA graphs are captured with it in place.
     timer = ForwardTimer(trainer.llm)
     optimizer_timer = OptimizerTimer(trainer.optimizer, trainer.device)
-    rollout = dict.fromkeys(ROLLOUT_STATS, 0.0)
+    recorder = RolloutRecorder(trainer)
+    n = sizes.steps
     try:
         trainer.train(2 if cuda else 1)                   # warm-up: CUDA graphs, allocator
-        optimizer_timer.seconds = 0.0
-        steps, useful = [], []
-        for _ in range(sizes.steps):
-            timer.reset()
-            start = time.perf_counter()
-            trainer.train(trainer.step + 1)
-            steps.append(time.perf_counter() - start)
-            useful.append(timer.useful_seconds())
-            for key in ROLLOUT_STATS:
-                rollout[key] += trainer.rollout_stats.get(key) or 0.0   # None: no device time off CUDA
+        optimizer_timer.events.clear()
+        timer.reset()
+        recorder.reset()
+        # the timed steps in one call, so that each may start the next one's rollout (overlap_steps)
+        start = time.perf_counter()
+        trainer.train(trainer.step + n)
+        total = time.perf_counter() - start
+        forwards = {kind: {key: value / n for key, value in part.items()} for kind, part in timer.breakdown().items()}
+        useful = sum(part["useful_seconds"] for part in forwards.values()) * n
+        optimizer_seconds = optimizer_timer.seconds
     finally:
         timer.close()
         optimizer_timer.close()
-    h, n = trainer.history, sizes.steps
+        recorder.close()
+    h = trainer.history
     phases = {p: sum(getattr(h, f"{p}_s")[-n:]) for p in PHASES}
-    total = sum(steps)
+    # a rollout started during the update before: its start-up belongs to the rollout
+    phases["rollout"] += recorder.early_seconds
+    phases["update"] -= recorder.early_seconds
+    rollout = recorder.stats
     micro_batches = -(-config.batch_size // config.micro_batch_size)
     # the tokens the last step's update ran: the sequences' own, and with the padding to each micro-batch's longest
     last = trainer.last_rollout
     tokens = [len(p) + len(r) for p, r in zip(last.prompt_ids, last.response_ids)]
     padded = sum(len(rows) * max(tokens[i] for i in rows) for rows, _, _ in trainer.micro_batches(last))
     result = dict(samples_per_s=config.batch_size * n / total, seconds_per_step=total / n,
-                  useful_generation_share=sum(useful) / total,
-                  useful_share_of_rollout=sum(useful) / phases["rollout"],
+                  useful_generation_share=useful / total,
+                  useful_share_of_rollout=useful / phases["rollout"],
+                  # per step and kind of forward: timed seconds, real and computed rows, useful seconds
+                  forwards=forwards,
                   phase_share={p: s / total for p, s in phases.items()},
                   response_length=sum(h.response_length[-n:]) / n,
                   # per step: where the rollout's time went, the rollout's wall time, the update's parts
                   rollout={**{k: v / n for k, v in rollout.items()}, "wall_seconds": phases["rollout"] / n,
-                           "device_timed": cuda},
+                           "device_timed": cuda, "started_early": recorder.early / n,
+                           "early_start_seconds": recorder.early_seconds / n},
                   update={"seconds": phases["update"] / n, "micro_batches": micro_batches,
-                          "optimizer_seconds": optimizer_timer.seconds / n,
-                          "seconds_per_micro_batch": (phases["update"] - optimizer_timer.seconds) / n / micro_batches,
+                          "optimizer_seconds": optimizer_seconds / n,
+                          "seconds_per_micro_batch": (phases["update"] - optimizer_seconds) / n / micro_batches,
                           "tokens": sum(tokens), "padded_tokens": padded},
                   # how the engine and the update ran (flags of lmfs.inference.LLM's stats; None where it
                   # does not report one)
                   engine={**{flag: trainer.rollout_stats.get(flag) for flag in ("cuda_graphs", "fused_decode")},
                           "autocast": (str(trainer.llm.autocast).removeprefix("torch.") if trainer.llm.autocast
                                        else None),
-                          "fused_update": fused_update, "packed_update": packed_update})
+                          "fused_update": fused_update, "packed_update": packed_update,
+                          "overlap_steps": overlap_steps})
     if profile:
         result["profile"] = profile_step(trainer)
     return result
@@ -335,7 +421,8 @@ def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
 
 
 def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str = "auto",
-        fused_update: bool = True, packed_update: bool = False, profile: bool = False) -> dict:
+        fused_update: bool = True, packed_update: bool = False, profile: bool = False,
+        overlap_steps: bool = True) -> dict:
     """Both measurements; prints the table; returns the numbers."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -347,7 +434,8 @@ def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str
     result = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "sizes": asdict(sizes),
               "params": model.num_params(), "batch": sizes.prompts * sizes.group_size}
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update, packed_update, profile)
+    result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update, packed_update, profile,
+                              overlap_steps)
     model.load_state_dict(initial)                       # TRL starts from the same weights
     gc.collect()
     if not trl:
@@ -385,6 +473,9 @@ def _print(result: dict) -> None:
     print("lmfs engine: " + ", ".join(f"{flag} {'-' if on is None else on}" for flag, on in lm["engine"].items()))
     print(f"useful generation: {lm['useful_generation_share']:.0%} of the step "
           f"({lm['useful_share_of_rollout']:.0%} of the rollout)")
+    for kind, f in lm.get("forwards", {}).items():
+        print(f"lmfs {kind} forwards per step: {f['seconds']:.4f} s timed, {f['rows']:,.0f} real of "
+              f"{f['computed_rows']:,.0f} computed rows: {f['useful_seconds']:.4f} s useful")
     r, u = lm["rollout"], lm["update"]
     busy = r["decode_device_seconds"] / max(r["decode_seconds"], 1e-9)
     device = f"device {r['decode_device_seconds']:.3f} s = {busy:.0%} of" if r["device_timed"] else \
@@ -394,6 +485,9 @@ def _print(result: dict) -> None:
           f"{r['decode_steps']:.0f} decode steps launched while an earlier one ran; "
           f"prefill {r['prefill_seconds']:.3f} s; outside both (requests, admission, outputs, texts) "
           f"{r['wall_seconds'] - r['prefill_seconds'] - r['decode_seconds']:.3f} s")
+    if r.get("started_early"):
+        print(f"lmfs rollouts started during the update before: {r['started_early']:.0%} of the steps, "
+              f"{r['early_start_seconds'] * 1e3:.1f} ms of host time a step (counted in the rollout above)")
     print(f"lmfs update per step: {u['seconds']:.3f} s = {u['micro_batches']} micro-batch(es) of up to "
           f"{s['micro_batch']} sequences x {u['seconds_per_micro_batch'] * 1e3:.1f} ms (forward + backward, "
           f"gradient clipping included) "
@@ -442,6 +536,8 @@ def main(argv=None) -> dict:
                         help="train lmfs's policy through the plain modules, not lmfs.kernels.fused's")
     parser.add_argument("--packed-update", action="store_true",
                         help="lmfs's update on the sequences packed into one row, not right-padded")
+    parser.add_argument("--no-overlap-steps", action="store_true",
+                        help="start each rollout after the update before it has finished, not during it")
     parser.add_argument("--profile", action="store_true",
                         help="then one more lmfs step under the profiler: where the GPU waits, and for what")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -451,6 +547,6 @@ def main(argv=None) -> dict:
     if args.steps is not None:
         sizes = Sizes(**{**asdict(sizes), "steps": args.steps})
     result = run(sizes, device, trl=not args.no_trl, autocast=args.autocast, fused_update=not args.no_fused_update,
-                 packed_update=args.packed_update, profile=args.profile)
+                 packed_update=args.packed_update, profile=args.profile, overlap_steps=not args.no_overlap_steps)
     save_json(result, args.json)
     return result

@@ -11,7 +11,7 @@
   (:class:`SpeculativeDecoder`: whole rounds replayed from a CUDA graph).
 """
 
-from lmfs.inference.engine import LLM, RequestOutput, generate_static
+from lmfs.inference.engine import LLM, Generation, RequestOutput, generate_static
 from lmfs.inference.kv_cache import (BlockAllocator, KVCache, PagedKVCache, kv_bytes_per_token,
                                      paged_attention_reference)
 from lmfs.inference.runner import PagedBatch, forward_cached, gathered_batch, paged_forward
@@ -22,7 +22,7 @@ from lmfs.inference.speculative import (SpeculativeDecoder, acceptance_probabili
                                         speculative_step, speculative_step_distribution)
 
 __all__ = [
-    "BlockAllocator", "KVCache", "LLM", "RequestOutput", "generate_static", "PagedBatch", "PagedKVCache", "forward_cached", "gathered_batch",
+    "BlockAllocator", "Generation", "KVCache", "LLM", "RequestOutput", "generate_static", "PagedBatch", "PagedKVCache", "forward_cached", "gathered_batch",
     "kv_bytes_per_token", "paged_attention_reference", "paged_forward", "process_logits", "sample",
     "SamplingParams", "QuantizedWeight", "QuantLinear", "dequantize_weight", "model_weight_bytes", "quantize_model",
     "quantize_weight", "acceptance_probability", "speculative_generate", "speculative_step",

@@ -291,6 +291,7 @@ class LLM:
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
         self._pending: deque[_Step] = deque()  # the steps in flight, oldest first, their tokens not read yet
+        self._started: Generation | None = None  # a start() whose result() has not been taken
         self._finished: list[_Request] = []   # finished at this step (_accept appends, _run clears)
         self._events, self._accepted = True, 0  # whether _accept lists its tokens; how many it took
         self.stats = self._empty_stats()
@@ -412,25 +413,40 @@ class LLM:
         while the next decode step runs on the device, so work done there (scoring an answer,
         decoding its text) hides behind the generation of the others instead of waiting for the
         last one. The same objects are returned."""
+        return self.start(prompts, params, progress, on_finish).result()
+
+    def start(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+              progress: bool | None = None,
+              on_finish: Callable[[RequestOutput], None] | None = None) -> "Generation":
+        """:meth:`generate` in two halves. This half checks the requests, admits the first ones and
+        launches their prefill on the device, then returns without waiting for it; the returned
+        :class:`Generation`'s ``result()`` does the rest and returns what :meth:`generate` would.
+        In between the host is free: a trainer starts its next rollout right after queueing an
+        optimizer step, and the host's work of admitting and prefilling (milliseconds) runs while
+        the device still computes the update; the prefill, queued after it, reads the new weights.
+        Until ``result()`` (or ``close()``) the engine runs nothing else."""
+        if self._started is not None:
+            raise RuntimeError("the engine is still running an earlier start(): call its result() (or close()) "
+                               "first")
         requests = self._requests(prompts, params)
-        outputs: list[RequestOutput | None] = [None] * len(requests)
-
-        def finish(r: _Request) -> None:
-            outputs[r.index] = out = r.output(self.tokenizer)
-            if on_finish is not None:
-                on_finish(out)
-
+        generation = Generation(self, requests, on_finish)
         for r in requests:
             if r.finish_reason is not None:
-                finish(r)
-        for _ in self._run(requests, progress, events=False):
-            for r in self._finished:   # every request that runs finishes in _accept, which lists it here
-                finish(r)
-        return outputs
+                generation._finish(r)
+        generation._steps = self._run(requests, progress, events=False)
+        self._started = generation
+        try:
+            generation._advance()   # the first admission and prefill
+        except BaseException:
+            generation.close()
+            raise
+        return generation
 
     def stream(self, prompts, params=None, progress: bool | None = False) -> Iterator[tuple[int, int, str]]:
         """Like :meth:`generate`, yielding ``(request index, token id, text piece)`` as each token is
         produced (the text piece is ``""`` without a tokenizer, or while a character is incomplete)."""
+        if self._started is not None:
+            raise RuntimeError("the engine is still running a start(): call its result() (or close()) first")
         requests = self._requests(prompts, params)
         for events in self._run(requests, progress):
             for req, token, piece in events:
@@ -896,6 +912,53 @@ class LLM:
             self._weights = where
         if self._fused is not None:
             self._fused.refresh(self.model)
+
+
+class Generation:
+    """A :meth:`LLM.start` under way: ``result()`` runs it to the end and returns one
+    :class:`RequestOutput` per prompt, in order; ``close()`` abandons it (its requests' KV blocks
+    and rows are freed)."""
+
+    def __init__(self, llm: "LLM", requests: list, on_finish: Callable[[RequestOutput], None] | None):
+        self._llm, self._on_finish = llm, on_finish
+        self._outputs: list[RequestOutput | None] = [None] * len(requests)
+        self._steps: Iterator | None = None
+        self.done = False
+
+    def _finish(self, r: _Request) -> None:
+        self._outputs[r.index] = out = r.output(self._llm.tokenizer)
+        if self._on_finish is not None:
+            self._on_finish(out)
+
+    def _advance(self) -> bool:
+        """One scheduler step; False once every request has finished."""
+        llm = self._llm
+        try:
+            next(self._steps)
+        except StopIteration:
+            self.done = True
+            llm._started = None
+            return False
+        for r in llm._finished:   # every request that runs finishes in _accept, which lists it here
+            self._finish(r)
+        return True
+
+    def result(self) -> list[RequestOutput]:
+        if self._llm._started is not self and not self.done:
+            raise RuntimeError("this generation was closed before it finished")
+        try:
+            while not self.done and self._advance():
+                pass
+        except BaseException:
+            self.close()
+            raise
+        return self._outputs
+
+    def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()      # the scheduler's clean-up frees what its requests hold
+        if self._llm._started is self:
+            self._llm._started = None
 
 
 @dataclass
