@@ -35,7 +35,8 @@
   with the first decode step, which is launched before them. Anything that needs every
   token on the host first waits for the steps in flight: admitting requests (prefill), preempting,
   repetition penalties (they read the tokens so far) and MLA (whose decode batches are built on
-  the host).
+  the host). :meth:`LLM.start` goes one step further: it returns once the first prefill is
+  launched, so the host can work while the device is still busy with what was queued before it.
 * **CUDA graphs** (GPU): the whole decode step, forward and sampling, is captured once per padded
   batch size (1, 2, 4, then steps of 8 or 16: :func:`graph_batch_size`; padded rows read and write
   a dummy row and the scratch block) and replayed, so a step costs one launch instead of a
