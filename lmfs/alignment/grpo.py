@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import time
@@ -626,19 +627,24 @@ class GRPOTrainer:
         if started is not None and started[0] != self.step:   # (not this step's: a step was skipped)
             started[1].generation.close()
             started = None
-        indices = self.sample_problems(self.step)
-        rollout = phase("rollout", started[1] if started else lambda: self.rollout(indices, texts=False))
+        if started:
+            finish = started[1]
+        else:
+            finish = functools.partial(self.rollout, self.sample_problems(self.step), texts=False)
+        rollout = phase("rollout", finish)
         # The batches need only the tokens. The rollout is scored inside the update, on the host while
         # the device runs the first forward (update): the reward phase is the host's time in both.
         start = time.perf_counter()
         batches = self.micro_batches(rollout)
         seconds["reward"] = time.perf_counter() - start
         ref = phase("reference", lambda: self.logprobs_of(self.reference, batches, rollout) if self.reference else None)
+
         def next_rollout():
             self._next_rollout = (self.step + 1, self.start_rollout(self.sample_problems(self.step + 1), texts=False))
 
         try:
-            stats = phase("update", lambda: self.update(rollout, batches, ref, then=next_rollout if start_next else None))
+            then = next_rollout if start_next else None
+            stats = phase("update", lambda: self.update(rollout, batches, ref, then=then))
         except BaseException:
             self.close()
             raise
