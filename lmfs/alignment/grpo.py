@@ -419,7 +419,8 @@ class GRPOTrainer:
     def start_rollout(self, indices: Sequence[int], texts: bool = True) -> Callable[[], Rollout]:
         """:meth:`rollout` in two halves (:meth:`lmfs.inference.LLM.start`): admits the requests and
         launches their prefill without waiting for the device, and returns the function that
-        finishes the rollout and returns it."""
+        finishes the rollout and returns it (its ``generation`` attribute is the engine's
+        :class:`~lmfs.inference.Generation`, for closing a rollout that will not be finished)."""
         G = self.config.group_size
         prompts = [self.prompts[i] for i in indices for _ in range(G)]
         decoded: list[str | None] = [None] * len(prompts)
@@ -577,20 +578,23 @@ class GRPOTrainer:
             if self._torch_optimizer:        # the step is skipped on the device if the loss is not finite
                 self.optimizer.found_inf = (~torch.isfinite(loss_sum)).float()
             else:                            # one wait per epoch: a non-finite loss must not reach the weights
-                self._check_loss(loss_sum.item())
+                loss_value = self._checked_loss(loss_sum)
             self._optimizer_step()
             if then is not None and epoch == c.epochs_per_batch - 1:
                 then()
-            loss_value = loss_sum.item()
-            self._check_loss(loss_value)
+            if self._torch_optimizer:
+                loss_value = self._checked_loss(loss_sum)
         return dict(loss=loss_value, clip_fraction=clipped.item() / tokens, entropy=entropy_sum.item() / tokens,
                     kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"),
                     score_seconds=score_seconds)
 
-    def _check_loss(self, value: float) -> None:
+    def _checked_loss(self, loss: torch.Tensor) -> float:
+        """The loss's value (a wait for the device); a non-finite one raises."""
+        value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"the GRPO loss is {value} at step {self.step + 1}: training diverged. "
                                      f"Lower the learning rate (lr={self.config.lr:g}) or keep grad_clip on")
+        return value
 
     def _optimizer_step(self) -> None:
         """Clip the gradient, step the optimizer (in place: the engine reads the new weights, see

@@ -90,6 +90,34 @@ def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
 
 
+class Stopwatch:
+    """Times the calls made through it: CUDA events around each call on a GPU (device time, and no
+    wait added), wall time on the CPU. ``seconds`` sums them (on a GPU after waiting for the device)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.events = cuda, []
+
+    def __call__(self, fn, *args, **kwargs):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self.events.append((start, end))
+        else:
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.events.append(time.perf_counter() - start)
+        return out
+
+    @property
+    def seconds(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        return sum(self.events)
+
+
 class ForwardTimer:
     """Times the model forwards of an :class:`~lmfs.inference.LLM` and counts real vs computed rows.
 
@@ -116,41 +144,29 @@ class ForwardTimer:
         del self.llm._decode_step
 
     def reset(self) -> None:
-        # per kind of forward: its timed events, real rows and computed rows
-        self.kinds = {kind: ([], [0], [0]) for kind in ("decode", "prefill")}
+        # per kind of forward: its timed calls, and its real and computed rows
+        self.watches = {kind: Stopwatch(self.cuda) for kind in ("decode", "prefill")}
+        self.rows = {kind: [0, 0] for kind in self.watches}
 
     @property
     def events(self) -> list:
-        return self.kinds["decode"][0] + self.kinds["prefill"][0]
+        return [e for watch in self.watches.values() for e in watch.events]
 
     @property
     def real_rows(self) -> int:
-        return sum(real[0] for _, real, _ in self.kinds.values())
+        return sum(real for real, _ in self.rows.values())
 
-    def _count(self, kind: str, real: int, computed: int) -> list:
-        _, r, c = self.kinds[kind]
-        r[0] += real
-        c[0] += computed
-        return self.kinds[kind][0]
-
-    def _time(self, events: list, fn, *args):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn(*args)
-            end.record()
-            events.append((start, end))
-        else:
-            start = time.perf_counter()
-            out = fn(*args)
-            events.append(time.perf_counter() - start)
-        return out
+    def _count(self, kind: str, real: int, computed: int) -> "Stopwatch":
+        rows = self.rows[kind]
+        rows[0] += real
+        rows[1] += computed
+        return self.watches[kind]
 
     def _timed_decode(self, state, *args):
-        events = self._count("decode", len(state["rows"]), state["size"])   # padded to the CUDA graph's size
+        watch = self._count("decode", len(state["rows"]), state["size"])   # padded to the CUDA graph's size
         self._in_decode = True
         try:
-            return self._time(events, self._decode, state, *args)
+            return watch(self._decode, state, *args)
         finally:
             self._in_decode = False
 
@@ -160,17 +176,15 @@ class ForwardTimer:
         if self._in_decode:
             return self._forward(model, cache, batch, *args)
         n = batch.tokens.numel()              # packed prompts, whose matmuls the fused forward pads
-        events = self._count("prefill", n, prefill_rows(n) if self.llm._fused is not None else n)
-        return self._time(events, self._forward, model, cache, batch, *args)
+        watch = self._count("prefill", n, prefill_rows(n) if self.llm._fused is not None else n)
+        return watch(self._forward, model, cache, batch, *args)
 
     def breakdown(self) -> dict:
         """Per kind of forward (``decode``, ``prefill``): its timed ``seconds``, ``rows`` (real) and
         ``computed_rows``, and ``useful_seconds``, the seconds scaled by real / computed rows."""
-        if self.cuda:
-            torch.cuda.synchronize()
         out = {}
-        for kind, (events, (real,), (computed,)) in self.kinds.items():
-            seconds = sum(s.elapsed_time(e) / 1e3 for s, e in events) if self.cuda else sum(events)
+        for kind, watch in self.watches.items():
+            seconds, (real, computed) = watch.seconds, self.rows[kind]
             out[kind] = dict(seconds=seconds, rows=real, computed_rows=computed,
                              useful_seconds=seconds * real / max(computed, 1))
         return out
@@ -195,35 +209,13 @@ def make_setup(sizes: Sizes, device: torch.device):
 
 
 class OptimizerTimer:
-    """Seconds of the trainer's optimizer steps: device time between CUDA events around each step on
-    a GPU (no wait added: the trainer queues the step without waiting for the device), wall time on
-    the CPU."""
+    """Seconds of the trainer's optimizer steps (:class:`Stopwatch`: on a GPU device time, and no wait
+    added, since the trainer queues the step without waiting for the device)."""
 
     def __init__(self, optimizer, device: torch.device):
-        self.optimizer, self._step, self.events = optimizer, optimizer.step, []
-        self.cuda = device.type == "cuda"
-
-        def timed(*args, **kwargs):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = self._step(*args, **kwargs)
-                end.record()
-                self.events.append((start, end))
-            else:
-                start = time.perf_counter()
-                out = self._step(*args, **kwargs)
-                self.events.append(time.perf_counter() - start)
-            return out
-
-        optimizer.step = timed
-
-    @property
-    def seconds(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
-        return sum(self.events)
+        self.optimizer, self.watch = optimizer, Stopwatch(device.type == "cuda")
+        step = optimizer.step
+        optimizer.step = lambda *args, **kwargs: self.watch(step, *args, **kwargs)
 
     def close(self) -> None:
         del self.optimizer.step
@@ -299,7 +291,7 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     n = sizes.steps
     try:
         trainer.train(2 if cuda else 1)                   # warm-up: CUDA graphs, allocator
-        optimizer_timer.events.clear()
+        optimizer_timer.watch.events.clear()
         timer.reset()
         recorder.reset()
         # the timed steps in one call, so that each may start the next one's rollout (overlap_steps)
@@ -308,7 +300,7 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
         total = time.perf_counter() - start
         forwards = {kind: {key: value / n for key, value in part.items()} for kind, part in timer.breakdown().items()}
         useful = sum(part["useful_seconds"] for part in forwards.values()) * n
-        optimizer_seconds = optimizer_timer.seconds
+        optimizer_seconds = optimizer_timer.watch.seconds
     finally:
         timer.close()
         optimizer_timer.close()
