@@ -172,6 +172,62 @@ def test_packed_update_trains_as_the_padded_one(monkeypatch):
         GRPOConfig(packed_update=True, fused_update=False)
 
 
+def compiled_and_eager_runs(device="cpu", steps=2):
+    runs = {}
+    for compiled in (False, True):
+        model, tok = tiny()
+        torch.manual_seed(5)
+        tr = trainer(model.to(device), tok, lr=1e-2, compile_update=compiled, micro_batch_size=3)
+        tr.train(steps)
+        runs[compiled] = tr
+    return runs
+
+
+def test_compiled_update_trains_as_the_eager_one():
+    """compile_update runs the update's forward, log-probs and entropy through torch.compile (dynamic
+    shapes: micro-batches of 3 and 2 sequences, lengths changing between steps): the same rewards,
+    losses and weights as the eager update."""
+    runs = compiled_and_eager_runs()
+    eager, compiled = runs[False], runs[True]
+    assert hasattr(compiled._update_logprobs, "_torchdynamo_orig_callable")
+    assert not hasattr(eager._update_logprobs, "_torchdynamo_orig_callable")
+    assert compiled.history.reward == eager.history.reward
+    assert compiled.history.loss == pytest.approx(eager.history.loss, rel=1e-4, abs=1e-6)
+    for (name, a), b in zip(eager.policy.named_parameters(), compiled.policy.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="packed_update=True and compile_update=True"):
+        GRPOConfig(packed_update=True, compile_update=True)
+
+
+def test_a_failed_compilation_warns_and_the_update_runs_without_it():
+    """If torch.compile fails in the first update (an Inductor error, say), the trainer warns with
+    the reason and trains on without it: the same step as an eager trainer's."""
+    import torch._dynamo
+
+    eager = trainer(*tiny(), lr=1e-2)
+    failing = trainer(*tiny(), lr=1e-2, compile_update=True)
+    calls = []
+
+    class CompileError(torch._dynamo.exc.BackendCompilerFailed):   # (its constructor varies between versions)
+        def __init__(self, message):
+            RuntimeError.__init__(self, message)
+
+    def broken(*args):
+        calls.append(1)
+        raise CompileError("no kernel for this shape")
+
+    failing._update_logprobs = broken
+    torch.manual_seed(2)
+    h0 = eager.train(1)
+    torch.manual_seed(2)
+    with pytest.warns(RuntimeWarning, match="compile_update: torch.compile failed .*no kernel for this shape"):
+        h1 = failing.train(1)
+    assert calls == [1] and failing._update_logprobs is response_logprobs
+    assert h1.reward == h0.reward and h1.loss == pytest.approx(h0.loss, rel=1e-5, abs=1e-7)
+    for (name, a), b in zip(eager.policy.named_parameters(), failing.policy.parameters()):
+        torch.testing.assert_close(b, a, msg=name)
+
+
 def test_fused_adamw_updates_reach_the_engines_16_bit_weights():
     """Torch's fused AdamW (the trainer's optimizer with fused_update on CUDA; its CPU kernel here)
     writes the parameters without bumping their version counters, which the engine's 16-bit decode
@@ -537,6 +593,25 @@ def test_overlapped_steps_on_cuda_train_as_steps_one_after_another():
     assert h1.reward == h0.reward and h1.response_length == h0.response_length
     for (name, a), b in zip(plain.policy.named_parameters(), overlapped.policy.parameters()):
         torch.testing.assert_close(b, a, msg=name)
+
+
+@pytest.mark.gpu
+def test_compiled_update_on_cuda_trains_as_the_eager_one():
+    """On a GPU (the fused model's Triton kernels, bf16 autocast) the compiled update's log-probs
+    match the eager forward's to bf16 precision, and both train alike."""
+    runs = compiled_and_eager_runs("cuda", steps=3)
+    eager, compiled = runs[False], runs[True]
+    assert compiled.history.reward[0] == eager.history.reward[0]
+    assert all(math.isfinite(x) for x in compiled.history.loss)
+    for (name, a), b in zip(eager.policy.named_parameters(), compiled.policy.parameters()):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=0, msg=name)
+    rollout = compiled.rollout(compiled.sample_problems(7))
+    for rows, ids, mask in compiled.micro_batches(rollout):
+        with compiled._autocast():
+            got = compiled._update_logprobs(compiled.policy, ids, mask)
+            want = response_logprobs(compiled.policy, ids, mask)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=0)
 
 
 @pytest.mark.gpu

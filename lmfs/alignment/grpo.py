@@ -93,7 +93,10 @@ class GRPOConfig:
     of at most :data:`~lmfs.kernels.fused.MASKED_PACKING_TOKENS` tokens); ``overlap_steps``: start a
     step's rollout while the device still runs the update of the step before, when nothing runs in
     between (:meth:`GRPOTrainer.train_step`; the same samples, since the rollout's random draws
-    come after the update's either way);
+    come after the update's either way); ``compile_update``: the update's forward, log-probs and
+    entropy run through ``torch.compile`` (dynamic shapes, so one compilation serves every batch
+    length; the first update waits for it, tens of seconds on a GPU; if compiling fails, a warning
+    says why and the update runs without it), not with ``packed_update``;
     ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
     and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
     (0: never), with ``eval_samples`` answers per problem.
@@ -124,6 +127,7 @@ class GRPOConfig:
     fused_update: bool = True
     packed_update: bool = False
     overlap_steps: bool = True
+    compile_update: bool = False
     seed: int = 0
     progress: bool = True
 
@@ -152,6 +156,9 @@ class GRPOConfig:
         if self.packed_update and not self.fused_update:
             problems.append("packed_update=True needs fused_update=True: the fused model's attention is what "
                             "keeps the packed sequences apart")
+        if self.packed_update and self.compile_update:
+            problems.append("packed_update=True and compile_update=True do not go together: the packed forward "
+                            "runs on the host's lists of sequence lengths, which torch.compile cannot trace")
         if problems:
             raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
 
@@ -279,8 +286,14 @@ class GRPOTrainer:
         if config.fused_update:   # before the reference is copied from it, so that the copy is fused too
             from lmfs.kernels.fused import fuse_model
             # the log-probs need the logits, so no chunked loss; norms: the Triton RMSNorm in the update;
-            # embedding: a lookup whose backward suits a small vocabulary's many repeated ids
-            fuse_model(policy, chunked_loss=False, norms=True, embedding=True)
+            # embedding: a lookup whose backward suits a small vocabulary's many repeated ids. Compiled
+            # (compile_update), no Triton kernels: torch.compile writes its own for the norms, RoPE and SwiGLU.
+            fuse_model(policy, chunked_loss=False, norms=not config.compile_update, embedding=True,
+                       triton=not config.compile_update)
+        # compile_update: the policy's log-probs in the update through torch.compile. Dynamic shapes, since
+        # the batch's length is its longest answer's and changes from step to step.
+        self._update_logprobs = (torch.compile(response_logprobs, dynamic=True) if config.compile_update
+                                 else response_logprobs)
         self.context_length = policy.config.context_length
         self.problems, self.prompts = self._encode(train_problems, "train_problems")
         self.eval_problems = list(eval_problems) if eval_problems is not None else None
@@ -360,7 +373,7 @@ class GRPOTrainer:
         # settings that do not change what is trained; settings of older versions, and settings a
         # checkpoint predates, are not compared
         ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "fused_update",
-                   "packed_update", "overlap_steps"}
+                   "packed_update", "overlap_steps", "compile_update"}
         differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
                      if k not in ignored and k in stored and stored[k] != current[k] and not (
                          isinstance(current[k], tuple) and list(current[k]) == stored.get(k))]
@@ -504,6 +517,15 @@ class GRPOTrainer:
             if keeps_sequences_apart(model):
                 lengths = [len(rollout.prompt_ids[i]) + len(rollout.response_ids[i]) for i in rows]
                 return packed_response_logprobs(model, ids, mask, lengths)
+        if model is self.policy and torch.is_grad_enabled() and self._update_logprobs is not response_logprobs:
+            try:
+                return self._update_logprobs(model, ids, mask)
+            except torch._dynamo.exc.BackendCompilerFailed as err:   # (Inductor's errors included)
+                lines = str(err).strip().splitlines()
+                warnings.warn(f"compile_update: torch.compile failed ({type(err).__name__}: "
+                              f"{lines[0][:200] if lines else ''}); the update runs without it from here",
+                              RuntimeWarning, stacklevel=2)
+                self._update_logprobs = response_logprobs
         return response_logprobs(model, ids, mask)
 
     def _weights(self, rollout: Rollout, batches) -> list[float]:

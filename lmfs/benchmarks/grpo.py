@@ -1,7 +1,8 @@
 """One GRPO step: where its time goes, and lmfs's trainer vs TRL's ``GRPOTrainer``.
 
     python -m lmfs.benchmarks grpo [--json results/h200/grpo.json] [--tiny] [--steps N] [--no-trl]
-                                   [--autocast off] [--no-fused-update] [--packed-update] [--profile]
+                                   [--autocast off] [--no-fused-update] [--packed-update]
+                                   [--compile-update] [--profile]
 
 Both trainers run the same task (the held-out-free train split of the course's arithmetic problems,
 in the chat template of :mod:`lmfs.alignment.sft`, rewarded by
@@ -16,7 +17,9 @@ KL penalty (so neither runs a reference model), one epoch per batch (so neither 
 log-probs), fp32 weights (bf16 autocast on CUDA: lmfs's update and rollouts both compute
 under it, ``--autocast off`` computes lmfs's in fp32; ``--no-fused-update`` trains through the plain
 modules instead of :func:`lmfs.kernels.fused.fuse_model`'s; ``--packed-update`` runs lmfs's update on
-the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``; ``--profile``
+the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``;
+``--compile-update`` runs it through ``torch.compile``, ``GRPOConfig.compile_update``, compiled in the
+warm-up; ``--profile``
 then runs one more step under the profiler and prints, per part of the step, its host time and the
 GPU's busy time in it, and the longest stretches the GPU sat idle with what the host did then). A random
 model seldom produces its stop token, so most responses run to the limit in both: equal work; the
@@ -270,7 +273,8 @@ ROLLOUT_STATS = ("prefill_seconds", "decode_seconds", "decode_device_seconds", "
 
 
 def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_update: bool = True,
-             packed_update: bool = False, profile: bool = False, overlap_steps: bool = True) -> dict:
+             packed_update: bool = False, profile: bool = False, overlap_steps: bool = True,
+             compile_update: bool = False) -> dict:
     """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
     decode step is captured in a CUDA graph for each batch size met, one on the CPU); with ``profile``,
     then one more step under the profiler (:func:`profile_step`)."""
@@ -281,7 +285,8 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     config = GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts,
                         max_new_tokens=sizes.max_new_tokens, micro_batch_size=sizes.micro_batch, lr=1e-6,
                         epochs_per_batch=1, kl_coef=0.0, temperature=1.0, progress=False, autocast=autocast,
-                        fused_update=fused_update, packed_update=packed_update, overlap_steps=overlap_steps)
+                        fused_update=fused_update, packed_update=packed_update, overlap_steps=overlap_steps,
+                        compile_update=compile_update)
     trainer = GRPOTrainer(model, tok, problems, config=config)
     trainer.stop_ids = (end_id(tok),)                     # TRL stops at its eos token only: so do we here
     # The timer goes in before the warm-up, so that the CUDA graphs are captured with it in place.
@@ -321,7 +326,9 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
                   useful_share_of_rollout=useful / phases["rollout"],
                   # per step and kind of forward: timed seconds, real and computed rows, useful seconds
                   forwards=forwards,
-                  phase_share={p: s / total for p, s in phases.items()},
+                  # "between": the step's time outside the trainer's timed phases (its records, the loop)
+                  phase_share={**{p: s / total for p, s in phases.items()},
+                               "between": max(total - sum(phases.values()), 0.0) / total},
                   response_length=sum(h.response_length[-n:]) / n,
                   # per step: where the rollout's time went, the rollout's wall time, the update's parts
                   rollout={**{k: v / n for k, v in rollout.items()}, "wall_seconds": phases["rollout"] / n,
@@ -337,7 +344,7 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
                           "autocast": (str(trainer.llm.autocast).removeprefix("torch.") if trainer.llm.autocast
                                        else None),
                           "fused_update": fused_update, "packed_update": packed_update,
-                          "overlap_steps": overlap_steps})
+                          "overlap_steps": overlap_steps, "compile_update": compile_update})
     if profile:
         result["profile"] = profile_step(trainer)
     return result
@@ -414,7 +421,7 @@ def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
 
 def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str = "auto",
         fused_update: bool = True, packed_update: bool = False, profile: bool = False,
-        overlap_steps: bool = True) -> dict:
+        overlap_steps: bool = True, compile_update: bool = False) -> dict:
     """Both measurements; prints the table; returns the numbers."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -427,7 +434,7 @@ def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str
               "params": model.num_params(), "batch": sizes.prompts * sizes.group_size}
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     result["lmfs"] = run_lmfs(model, tok, problems, sizes, autocast, fused_update, packed_update, profile,
-                              overlap_steps)
+                              overlap_steps, compile_update)
     model.load_state_dict(initial)                       # TRL starts from the same weights
     gc.collect()
     if not trl:
@@ -530,6 +537,8 @@ def main(argv=None) -> dict:
                         help="lmfs's update on the sequences packed into one row, not right-padded")
     parser.add_argument("--no-overlap-steps", action="store_true",
                         help="start each rollout after the update before it has finished, not during it")
+    parser.add_argument("--compile-update", action="store_true",
+                        help="lmfs's update forward through torch.compile (GRPOConfig.compile_update)")
     parser.add_argument("--profile", action="store_true",
                         help="then one more lmfs step under the profiler: where the GPU waits, and for what")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -539,6 +548,7 @@ def main(argv=None) -> dict:
     if args.steps is not None:
         sizes = Sizes(**{**asdict(sizes), "steps": args.steps})
     result = run(sizes, device, trl=not args.no_trl, autocast=args.autocast, fused_update=not args.no_fused_update,
-                 packed_update=args.packed_update, profile=args.profile, overlap_steps=not args.no_overlap_steps)
+                 packed_update=args.packed_update, profile=args.profile, overlap_steps=not args.no_overlap_steps,
+                 compile_update=args.compile_update)
     save_json(result, args.json)
     return result
