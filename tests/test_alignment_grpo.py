@@ -553,7 +553,9 @@ def test_benchmark_runs_tiny(tmp_path, capsys):
     result = main(["--tiny", "--steps", "1", "--profile", "--json", str(path)])
     saved = json.loads(path.read_text())
     assert saved["lmfs"]["samples_per_s"] > 0 and 0 < saved["lmfs"]["useful_generation_share"] <= 1
-    assert set(saved["lmfs"]["phase_share"]) >= {"rollout", "update"}
+    assert set(saved["lmfs"]["phase_share"]) >= {"rollout", "update", "between"}
+    assert sum(saved["lmfs"]["phase_share"].values()) == pytest.approx(1.0)
+    assert set(saved["lmfs"]["garbage_collection"]["collections"]) == {"0", "1", "2"}
     if "error" not in result["trl"]:
         assert result["trl"]["samples_per_s"] > 0 and result["ratio"] > 0
     # the profiled step: one rollout with one call of each of its parts per step or per decode step

@@ -41,7 +41,9 @@ grows with the number of micro-batches; 256 sequences of up to 256 tokens fit in
     device time runs from its first launch to its last kernel, so it includes the gaps where the
     device waits for the host's launches; ``--profile`` shows how busy the device really was.) Not counted
     as useful: padding, scheduling and the host's waits, detokenising, rewards, the reference and
-    the update. The rollout's share of the step and the useful share of the rollout are printed too.
+    the update. The rollout's share of the step and the useful share of the rollout are printed too,
+    the step's time outside the trainer's phases ("between"), and Python's garbage collections
+    in the timed steps (they stop the host in whichever phase an allocation triggers them).
     Goal on one H200: ≥ 70%.
 The timed steps run in one ``train`` call, so that each step may start the next one's rollout
 while the device finishes its update (``GRPOConfig.overlap_steps``; ``--no-overlap-steps`` turns it
@@ -119,6 +121,28 @@ class Stopwatch:
             torch.cuda.synchronize()
             return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
         return sum(self.events)
+
+
+class GcTimer:
+    """Python's garbage collections while it runs (``gc.callbacks``): how many, per generation, and
+    their seconds. A collection stops the host wherever an allocation triggers it."""
+
+    def __init__(self):
+        self.collections, self.seconds, self._start = {0: 0, 1: 0, 2: 0}, 0.0, None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.collections[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
 
 
 class ForwardTimer:
@@ -301,7 +325,8 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
         recorder.reset()
         # the timed steps in one call, so that each may start the next one's rollout (overlap_steps)
         start = time.perf_counter()
-        trainer.train(trainer.step + n)
+        with GcTimer() as collector:
+            trainer.train(trainer.step + n)
         total = time.perf_counter() - start
         forwards = {kind: {key: value / n for key, value in part.items()} for kind, part in timer.breakdown().items()}
         useful = sum(part["useful_seconds"] for part in forwards.values()) * n
@@ -329,6 +354,8 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
                   # "between": the step's time outside the trainer's timed phases (its records, the loop)
                   phase_share={**{p: s / total for p, s in phases.items()},
                                "between": max(total - sum(phases.values()), 0.0) / total},
+                  # Python's garbage collections in the timed steps (in any phase): count per generation, s per step
+                  garbage_collection={"collections": collector.collections, "seconds": collector.seconds / n},
                   response_length=sum(h.response_length[-n:]) / n,
                   # per step: where the rollout's time went, the rollout's wall time, the update's parts
                   rollout={**{k: v / n for k, v in rollout.items()}, "wall_seconds": phases["rollout"] / n,
@@ -469,6 +496,10 @@ def _print(result: dict) -> None:
                      "mean response tokens": "-" if length is None else f"{length:.1f}"})
     print(pd.DataFrame(rows).to_string(index=False))
     print("lmfs step time by phase: " + ", ".join(f"{p} {v:.0%}" for p, v in lm["phase_share"].items()))
+    if "garbage_collection" in lm:
+        g = lm["garbage_collection"]
+        print(f"lmfs garbage collections in the timed steps: {g['seconds'] * 1e3:.1f} ms a step "
+              f"(generations 0/1/2: {'/'.join(str(g['collections'][k]) for k in sorted(g['collections']))})")
     print("lmfs engine: " + ", ".join(f"{flag} {'-' if on is None else on}" for flag, on in lm["engine"].items()))
     print(f"useful generation: {lm['useful_generation_share']:.0%} of the step "
           f"({lm['useful_share_of_rollout']:.0%} of the rollout)")
