@@ -599,7 +599,8 @@ def test_overlapped_steps_on_cuda_train_as_steps_one_after_another():
 
 @pytest.mark.gpu
 def test_compiled_update_on_cuda_trains_as_the_eager_one():
-    """On a GPU (the fused model's Triton kernels, bf16 autocast) the compiled update's log-probs
+    """On a GPU (fused projections, Inductor's kernels in place of lmfs's Triton ones, bf16 autocast) the
+    compiled update's log-probs
     match the eager forward's to bf16 precision, and both train alike."""
     runs = compiled_and_eager_runs("cuda", steps=3)
     eager, compiled = runs[False], runs[True]

@@ -60,6 +60,7 @@ from lmfs.alignment.pg import (AGGREGATIONS, KL_ESTIMATORS, PG_LOSSES, aggregate
                                kl_estimate, pg_loss)
 from lmfs.alignment.sft import format_prompt, packed_response_logprobs, response_logprobs
 from lmfs.alignment.tasks import check_answer
+from lmfs.bench import error_line
 from lmfs.bench.timing import synchronize
 from lmfs.eval import Interval, bootstrap_ci, pass_at_k
 from lmfs.inference import LLM, SamplingParams
@@ -521,10 +522,8 @@ class GRPOTrainer:
             try:
                 return self._update_logprobs(model, ids, mask)
             except torch._dynamo.exc.BackendCompilerFailed as err:   # (Inductor's errors included)
-                lines = str(err).strip().splitlines()
-                warnings.warn(f"compile_update: torch.compile failed ({type(err).__name__}: "
-                              f"{lines[0][:200] if lines else ''}); the update runs without it from here",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(f"compile_update: torch.compile failed ({error_line(err)}); the update runs "
+                              "without it from here", RuntimeWarning, stacklevel=2)
                 self._update_logprobs = response_logprobs
         return response_logprobs(model, ids, mask)
 

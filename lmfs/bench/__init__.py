@@ -29,3 +29,10 @@ def save_json(result: dict, path: str | None) -> None:
         with open(path, "w") as f:
             json.dump({**stamp, **result}, f, indent=1)
         print(f"results written to {path}", file=sys.stderr)
+
+
+def error_line(err: BaseException) -> str:
+    """``"TypeName: first line of the message"`` (at most 200 characters of it): an error put in a
+    result row or a warning in one line."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"

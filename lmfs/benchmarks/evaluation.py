@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lmfs.bench import save_json
+from lmfs.bench import error_line, save_json
 from lmfs.eval import encode_pair, few_shot_context, score_continuations, score_continuations_one_at_a_time, story_facts
 from lmfs.nn import TransformerConfig, TransformerLM, to_hf_llama
 from lmfs.tokenization.hf import hf_tokenizer
@@ -74,11 +74,6 @@ def make_pairs(tokenizer, sizes: Sizes) -> list[tuple[str, str]]:
 def tokens_scored(tokenizer, pairs, context_length: int) -> int:
     """Tokens that go through the model: each pair's ids, cut to ``context_length + 1``, minus one."""
     return sum(min(len(c) + len(t), context_length + 1) - 1 for c, t in (encode_pair(tokenizer, *p) for p in pairs))
-
-
-def _error(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _timed(fn: Callable[[], list[float]], device: torch.device, repeats: int) -> tuple[float, list[float]]:
@@ -158,7 +153,7 @@ def run(sizes: Sizes | None = None, device=None, hf: bool = True) -> dict:
                 reference = logprobs
             row = {"seconds": seconds, "tokens_per_s": n_tokens / seconds, "logprobs": logprobs}
         except Exception as err:  # one failing peer (a missing package, a refusal) must not cost the others
-            row = {"error": _error(err)}
+            row = {"error": error_line(err)}
         result["rows"][name] = row
         print(f"  scored with {name}", flush=True)
         gc.collect()

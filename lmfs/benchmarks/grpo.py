@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lmfs.bench import save_json
+from lmfs.bench import error_line, save_json
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,6 @@ GPU_SIZES = Sizes(d_model=512, n_layers=8, n_heads=8, context_length=512, prompt
                   max_new_tokens=256, micro_batch=256, steps=3)
 CPU_SIZES = Sizes(d_model=64, n_layers=2, n_heads=4, context_length=128, prompts=4, group_size=4,
                   max_new_tokens=24, micro_batch=8, steps=2)
-
-
-def _error(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
 
 
 class Stopwatch:
@@ -470,7 +465,7 @@ def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str
         try:
             result["trl"] = run_trl(model, tok, problems, sizes, device)
         except Exception as err:  # TRL missing or refusing: lmfs's figures still stand
-            result["trl"] = {"error": _error(err)}
+            result["trl"] = {"error": error_line(err)}
     if "error" not in result["trl"]:
         result["ratio"] = result["lmfs"]["samples_per_s"] / result["trl"]["samples_per_s"]
     _print(result)
@@ -496,10 +491,9 @@ def _print(result: dict) -> None:
                      "mean response tokens": "-" if length is None else f"{length:.1f}"})
     print(pd.DataFrame(rows).to_string(index=False))
     print("lmfs step time by phase: " + ", ".join(f"{p} {v:.0%}" for p, v in lm["phase_share"].items()))
-    if "garbage_collection" in lm:
-        g = lm["garbage_collection"]
-        print(f"lmfs garbage collections in the timed steps: {g['seconds'] * 1e3:.1f} ms a step "
-              f"(generations 0/1/2: {'/'.join(str(g['collections'][k]) for k in sorted(g['collections']))})")
+    g = lm["garbage_collection"]
+    print(f"lmfs garbage collections in the timed steps: {g['seconds'] * 1e3:.1f} ms a step "
+          f"(generations 0/1/2: {'/'.join(str(g['collections'][k]) for k in sorted(g['collections']))})")
     print("lmfs engine: " + ", ".join(f"{flag} {'-' if on is None else on}" for flag, on in lm["engine"].items()))
     print(f"useful generation: {lm['useful_generation_share']:.0%} of the step "
           f"({lm['useful_share_of_rollout']:.0%} of the rollout)")

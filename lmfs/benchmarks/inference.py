@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmfs.bench import save_json
+from lmfs.bench import error_line, save_json
 from lmfs.bench.probes import copy_bandwidth
 from lmfs.bench.timing import synchronize
 from lmfs.inference import kv_bytes_per_token
@@ -158,11 +158,6 @@ def decode_rate(generate: Callable[[int], object], n: int, repeats: int, device:
     return n / max(full - first, 1e-9)
 
 
-def _error(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -176,7 +171,7 @@ def _section(result: dict, name: str, fn: Callable[[], dict]) -> None:
     try:
         result[name] = fn()
     except Exception as err:  # one failing section must not cost the others
-        result[name] = {"error": _error(err)}
+        result[name] = {"error": error_line(err)}
         print(f"  ERROR: {result[name]['error']}", flush=True)
     result[name]["seconds"] = time.perf_counter() - started
 
@@ -186,7 +181,7 @@ def _peer(rows: dict, name: str, fn: Callable[[], dict]) -> None:
     try:
         rows[name] = fn()
     except Exception as err:
-        rows[name] = {"error": _error(err)}
+        rows[name] = {"error": error_line(err)}
     row = rows[name]
     text = row.get("error") or ", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in row.items())
