@@ -720,6 +720,43 @@ def test_cuda_graphs_and_kernel_match_plain_gpu(attention):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_sampling_through_cuda_graphs_matches_plain_gpu(in_flight):
+    """Sampled decoding through CUDA graphs, whose uniforms are drawn straight into the graph's input
+    buffer and whose tokens come back through a ring of pinned buffers, gives the tokens and
+    log-probs of the plain path from the same seed (the same random numbers, read back intact with up
+    to three steps in flight)."""
+    model = tiny(n_kv_heads=2).cuda()
+    prompts = random_prompts([3, 9, 17, 5, 12, 30, 1, 8])
+    params = SamplingParams(max_tokens=24, temperature=1.0, logprobs=True)
+    torch.manual_seed(3)
+    plain = LLM(model, cuda_graphs=False, attention="reference", fused_decode=False).generate(prompts, params)
+    graphs = LLM(model, cuda_graphs=True, attention="reference", fused_decode=False, in_flight=in_flight)
+    for _ in range(2):   # the second run draws into the graphs captured by the first
+        torch.manual_seed(3)
+        outs = graphs.generate(prompts, params)
+        assert graphs._graphs and graphs.stats["overlapped_steps"] > 0
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        for a, b in zip(outs, plain):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_uniforms_drawn_into_a_buffer_are_the_fresh_ones():
+    from lmfs.inference.sampling import draw_uniforms
+
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=5), SamplingParams()]
+    generators = [p.generator("cpu") for p in params]
+    torch.manual_seed(0)
+    fresh = draw_uniforms(params, generators, "cpu")
+    buffer = torch.full((5,), -1.0)
+    generators = [p.generator("cpu") for p in params]
+    torch.manual_seed(0)
+    drawn = draw_uniforms(params, generators, "cpu", out=buffer[:3])
+    assert drawn.data_ptr() == buffer.data_ptr() and torch.equal(drawn, fresh) and (buffer[3:] == -1).all()
+    assert fresh[1] == torch.rand((), generator=torch.Generator().manual_seed(5))   # the seeded row's own
+
+
+@pytest.mark.gpu
 def test_pinned_staging_ring_uploads_exactly_gpu():
     """Uploads through the pinned ring arrive intact: many in a row while the device is busy (the ring
     wraps and must wait for copies still reading a region), one larger than the ring (it grows), and

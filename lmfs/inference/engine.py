@@ -292,6 +292,10 @@ class LLM:
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
         self._pending: deque[_Step] = deque()  # the steps in flight, oldest first, their tokens not read yet
+        # Pinned host buffers the steps' tokens are copied into, used in turn: at most in_flight + 1
+        # steps are unread at once, so a buffer is read before its turn comes again (made on first use)
+        self._host_buffers: list[torch.Tensor] = []
+        self._host_turn = 0
         self._started: Generation | None = None  # a start() whose result() has not been taken
         self._finished: list[_Request] = []   # finished at this step (_accept appends, _run clears)
         self._events, self._accepted = True, 0  # whether _accept lists its tokens; how many it took
@@ -721,7 +725,8 @@ class LLM:
             state = self._batch_state(batch)
             uniforms = None
             if state["plain"] and not state["greedy"]:
-                uniforms = draw_uniforms(state["params"], state["generators"], self.device)
+                uniforms = draw_uniforms(state["params"], state["generators"], self.device,
+                                         out=self._graph_uniforms(state))
             width = None if self.cuda_graphs else max(len(r.blocks) for r in batch)
             logits, drawn = self._decode_step(state, uniforms, width)
             if not state["plain"]:   # filters or penalties: sample from the logits
@@ -740,11 +745,23 @@ class LLM:
         into pinned host memory (so the copy does not block the host), with an event recorded after it."""
         if self.device.type != "cuda":
             return _Step(requests, drawn, wait, prefill=prefill)
-        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+        host = self._host_buffer(drawn)
         host.copy_(drawn, non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record()
         return _Step(requests, host, wait, started, done, prefill)
+
+    def _host_buffer(self, drawn: torch.Tensor) -> torch.Tensor:
+        """The next pinned host buffer in turn, as a tensor of ``drawn``'s shape (allocating a pinned
+        tensor for every step costs the host about twice the copy itself)."""
+        if not self._host_buffers:
+            self._host_buffers = [torch.empty(2 * (self.max_batch_size + 1), dtype=torch.float64, pin_memory=True)
+                                  for _ in range(self.in_flight + 2)]
+        if drawn.numel() > self._host_buffers[0].numel() or drawn.dtype != torch.float64:
+            return torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+        buffer = self._host_buffers[self._host_turn]
+        self._host_turn = (self._host_turn + 1) % len(self._host_buffers)
+        return buffer[:drawn.numel()].view(drawn.shape)
 
     def _read(self, step: _Step, running: list) -> list[_Event]:
         """Wait for ``step``'s tokens and take them in (:meth:`_accept`)."""
@@ -878,11 +895,17 @@ class LLM:
             static_rows.copy_(state["padded_rows"])
             static_temps.copy_(state["padded_temperatures"])
             self._filled[key] = state
-        if uniforms is not None:
-            static_uniforms[:B].copy_(uniforms)
+        if uniforms is not None and uniforms.data_ptr() != static_uniforms.data_ptr():
+            static_uniforms[:B].copy_(uniforms)   # (not drawn into it: the graph was captured just now)
         graph.replay()
         self.stats["cuda_graphs"] = True
         return static_logits[:B], static_drawn[:, :B]
+
+    def _graph_uniforms(self, state: dict) -> torch.Tensor | None:
+        """The uniforms' input buffer of the sampling graph ``state`` replays, cut to its rows (None
+        without one yet), for :func:`draw_uniforms` to draw into: no separate draw and copy."""
+        captured = self._graphs.get((state["size"], False)) if self.cuda_graphs else None
+        return None if captured is None else captured[3][:len(state["rows"])]
 
     def _capture(self, size: int, greedy: bool) -> tuple:
         """Capture :meth:`_step` for ``size`` rows (all ``greedy``, or not); the graph reads its rows,

@@ -141,9 +141,12 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     return logits
 
 
-def draw_uniforms(params: Sequence[SamplingParams], generators, device) -> torch.Tensor:
-    """One uniform number in [0, 1) per row: from the row's own generator if it has one."""
-    u = torch.rand(len(params), device=device)        # the global generator, for unseeded rows
+def draw_uniforms(params: Sequence[SamplingParams], generators, device,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """One uniform number in [0, 1) per row: from the row's own generator if it has one. ``out``: a
+    ``(len(params),)`` float32 tensor to draw into (the same numbers as a fresh one would get)."""
+    # the global generator, for unseeded rows
+    u = torch.rand(len(params), device=device) if out is None else out.uniform_()
     if generators is not None:
         for i, g in enumerate(generators):
             if g is not None:
