@@ -292,9 +292,11 @@ class LLM:
         self._weights = self._weight_addresses()   # where the weights lived when the graphs were captured
         self._state = None                    # the decode batch's device tensors (_batch_state)
         self._pending: deque[_Step] = deque()  # the steps in flight, oldest first, their tokens not read yet
-        # Pinned host buffers the steps' tokens are copied into, used in turn: at most in_flight + 1
-        # steps are unread at once, so a buffer is read before its turn comes again (made on first use)
-        self._host_buffers: list[torch.Tensor] = []
+        # On CUDA, the pinned host buffers the steps' tokens (_pack: at most max_batch_size of each) are
+        # copied into, used in turn: at most in_flight + 1 steps are unread at once, so a buffer is read
+        # before its turn comes again
+        self._host_buffers = [torch.empty(2 * max_batch_size, dtype=torch.float64, pin_memory=True)
+                              for _ in range(in_flight + 2)] if self.device.type == "cuda" else []
         self._host_turn = 0
         self._started: Generation | None = None  # a start() whose result() has not been taken
         self._finished: list[_Request] = []   # finished at this step (_accept appends, _run clears)
@@ -754,11 +756,6 @@ class LLM:
     def _host_buffer(self, drawn: torch.Tensor) -> torch.Tensor:
         """The next pinned host buffer in turn, as a tensor of ``drawn``'s shape (allocating a pinned
         tensor for every step costs the host about twice the copy itself)."""
-        if not self._host_buffers:
-            self._host_buffers = [torch.empty(2 * (self.max_batch_size + 1), dtype=torch.float64, pin_memory=True)
-                                  for _ in range(self.in_flight + 2)]
-        if drawn.numel() > self._host_buffers[0].numel() or drawn.dtype != torch.float64:
-            return torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
         buffer = self._host_buffers[self._host_turn]
         self._host_turn = (self._host_turn + 1) % len(self._host_buffers)
         return buffer[:drawn.numel()].view(drawn.shape)
