@@ -234,8 +234,8 @@ class PagedKVCache:
     n_kv_heads, head_dim)`` (for MLA ``k[l]`` ``(num_blocks, block_size, 1, kv_latent_dim)`` holds the
     latent and ``v`` is ``None``), plus the :class:`BlockAllocator` that hands blocks out.
 
-    ``block_table(seq)``/``append_slot`` etc. live in the engine, which tracks its sequences; this
-    class owns the memory, the allocator and the byte accounting.
+    Which blocks a sequence holds is the scheduler's business (:class:`~lmfs.inference.Scheduler`);
+    this class owns the memory, the allocator and the byte accounting.
     """
 
     def __init__(self, config, num_blocks: int, block_size: int = 16, device=None, dtype=torch.float32):
@@ -246,6 +246,7 @@ class PagedKVCache:
         entry = (1, config.kv_latent_dim) if self.mla else cache_entry_shape(config)
         shape = (num_blocks, block_size, *entry)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.device = self.k[0].device
         self.v = None if self.mla else [torch.zeros(shape, device=device, dtype=dtype)
                                         for _ in range(config.n_layers)]
         self.allocator = BlockAllocator(num_blocks, block_size)
@@ -260,11 +261,6 @@ class PagedKVCache:
     @property
     def block_bytes(self) -> int:
         return self.token_bytes * self.block_size
-
-    @property
-    def bytes_in_use(self) -> int:
-        """Bytes of the blocks handed out (shared blocks once)."""
-        return self.allocator.num_used * self.block_bytes
 
     def bytes_of_tokens(self, n_tokens: int) -> int:
         return n_tokens * self.token_bytes

@@ -18,17 +18,16 @@ behaves exactly as in the uncached forward.
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from einops import rearrange
 
-from lmfs.nn.attention import attention_reference
+# the batch primitives live below inference and the kernels; importable from here too
+from lmfs.batching import (PagedBatch, PinnedStaging, capture_graph, flash_varlen, flash_varlen_supports,  # noqa: F401
+                           gathered_attention, gathered_batch, masked_attention, right_padded, upload)
+from lmfs.inference.kv_cache import paged_attention_reference
+from lmfs.inference.sampling import sample
 from lmfs.nn.positions import apply_rope, rope_angles
 
 
@@ -99,45 +98,6 @@ def _keys_values(attn, kv_in: torch.Tensor, positions: torch.Tensor,
     return _rotate(attn, k, positions, tables), v
 
 
-# The SDPA kernels allowed for the masked attention of :func:`_attend` on CUDA. SDPA's own first
-# choice there, cuDNN, builds an execution plan for every new shape (about 12 ms of host time for a
-# kernel of 0.2 ms), and a packed prefill's length changes from call to call; the memory-efficient
-# kernel takes a float mask at any length without a plan. Flash attention takes no mask, so it is
-# left out too; the written-out (math) kernel stays as the fallback. Asking for the efficient
-# kernel first with every backend still enabled was not enough: cuDNN still ran.
-MASKED_SDPA_BACKENDS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-
-
-def masked_sdpa_preference(device: torch.device):
-    """The context :func:`_attend` calls SDPA in: on CUDA only :data:`MASKED_SDPA_BACKENDS` enabled,
-    in that order; nothing elsewhere (SDPA's own choice)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(list(MASKED_SDPA_BACKENDS), set_priority=True)
-
-
-def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-            masks: dict | None = None) -> torch.Tensor:
-    """Masked attention: ``q`` ``(B, H, T, hd)``, ``k``/``v`` ``(B, KV, S, hd)``, ``allowed`` a bool mask
-    broadcasting to ``(B, H, T, S)``. Returns ``(B, T, H·hd)``. Every query row must allow at least
-    one key (a fully masked row would turn into NaN and spread through the cache). ``masks``: a
-    dict kept for one forward, so that its layers build the additive mask once, not once each."""
-    groups = attn.n_heads // attn.n_kv_heads
-    if groups > 1:  # K/V head j serves query heads j·groups .. (j+1)·groups - 1, as in the model
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    mask = None if masks is None else masks.get(q.dtype)
-    if mask is None:
-        mask = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
-        if masks is not None:
-            masks[q.dtype] = mask
-    if attn.softcap is not None:  # SDPA cannot soft-cap: the written-out path, as the model does
-        out = attention_reference(q, k, v, mask, attn.softcap)
-    else:
-        with masked_sdpa_preference(q.device):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return rearrange(out, "b h t d -> b t (h d)")
-
-
 # ---------------------------------------------------------------------------------------------
 # Contiguous cache
 
@@ -189,7 +149,7 @@ def forward_cached(model, idx: torch.Tensor, cache) -> torch.Tensor:
             cache.k[layer][:, :, P:S] = k
             cache.v[layer][:, :, P:S] = v
             k, v = cache.k[layer][:, :, :S].to(h.dtype), cache.v[layer][:, :, :S].to(h.dtype)
-        return attn.o_proj(_attend(attn, q, k, v, allowed, masks))
+        return attn.o_proj(masked_attention(attn, q, k, v, allowed, masks))
 
     x = _run_blocks(model, _embed(model, idx, positions), idx, attend)
     cache.length = S
@@ -198,211 +158,6 @@ def forward_cached(model, idx: torch.Tensor, cache) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Paged cache
-
-@dataclass
-class PagedBatch:
-    """One forward over a :class:`~lmfs.inference.PagedKVCache`: ``N`` new tokens packed in one row.
-
-    ``tokens``, ``positions``, ``slots`` ``(N,)``: the new tokens, their positions in their own
-    sequences, and the flat cache slot (``block·block_size + offset``) each one's keys go to.
-
-    Attention takes one of two paths:
-
-    * ``decode`` (one new token per sequence, ``N = B``): ``block_tables`` ``(B, max_blocks)`` and
-      ``seq_lens`` ``(B,)`` feed a paged decode-attention function (the kernel or the reference);
-    * gathered (prefill, and MLA): ``key_slots``/``key_positions`` ``(M,)`` list every key the new
-      tokens may read (cached prefix included), and ``allowed`` ``(N, M)`` says which query reads
-      which key (same sequence, causal, within the window).
-
-    ``logit_rows`` ``(R,)``: the tokens whose logits are wanted (a prompt's last), ``None`` for all.
-
-    ``cu_seq_q``/``cu_seq_k`` ``(S + 1,)`` int32 and ``max_q``/``max_k`` (gathered path, optional):
-    where each of the ``S`` sequences' queries and keys start in the packed order, and the longest
-    of each, for a variable-length attention kernel that needs no ``allowed`` mask.
-    """
-
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    block_tables: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None
-    key_slots: torch.Tensor | None = None
-    key_positions: torch.Tensor | None = None
-    allowed: torch.Tensor | None = None
-    logit_rows: torch.Tensor | None = None
-    cu_seq_q: torch.Tensor | None = None
-    cu_seq_k: torch.Tensor | None = None
-    max_q: int = 0
-    max_k: int = 0
-
-    @property
-    def decode(self) -> bool:
-        return self.key_slots is None
-
-
-def gathered_batch(chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], block_size: int,
-                   window: int | None, device) -> PagedBatch:
-    """The :class:`PagedBatch` of several sequences' new tokens, on the gathered attention path.
-
-    ``chunks``: per sequence ``(new token ids, start, block table)``: the new tokens sit at
-    positions ``start .. start + n - 1`` (the first ``start`` are cached already, e.g. a shared
-    prefix) and the block table (a list of block ids) covers all of them. Logits are asked for at
-    each sequence's last new token.
-    """
-    # Built with a few whole-batch numpy operations and one upload, not a loop of tensor calls per
-    # sequence: a GRPO rollout prefills hundreds of short prompts at once, and per-sequence tensor
-    # calls (or a copy per field) cost the host far more than the device's work.
-    news = [new for new, _, _ in chunks]
-    starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
-    lengths = np.array([len(new) for new in news], dtype=np.int64)
-    ends = starts + lengths
-    widths = np.array([len(table) for _, _, table in chunks], dtype=np.int64)
-    short = np.flatnonzero(widths * block_size < ends)
-    if len(short):
-        i = short[0]
-        raise ValueError(f"a block table of {widths[i]} blocks holds {widths[i] * block_size} tokens, not {ends[i]}")
-    tables = right_padded([table for _, _, table in chunks], widths, widths.max())
-    ks = np.repeat(np.arange(len(chunks)), ends)                                # (M,) sequence of each key
-    kpos = np.arange(len(ks)) - np.repeat(np.cumsum(ends) - ends, ends)         # its position
-    key_slots = tables[ks, kpos // block_size] * block_size + kpos % block_size  # (M,) every key's slot
-    new_keys = kpos >= starts[ks]                       # the keys that are this batch's new tokens, in order
-    tokens = np.fromiter(itertools.chain.from_iterable(news), dtype=np.int64, count=lengths.sum())
-    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]) for n in (lengths, ends))
-    parts = [tokens, kpos[new_keys], key_slots[new_keys], key_slots, kpos, np.cumsum(lengths) - 1, cu_q, cu_k,
-             ks[new_keys], ks]
-    flat = upload(np.concatenate(parts), device)       # one copy to the device, then views of it
-    tokens, qpos, slots, key_slots, kpos, logit_rows, cu_q, cu_k, qs, ks = flat.split([len(x) for x in parts])
-    allowed = (qs[:, None] == ks[None, :]) & (kpos[None, :] <= qpos[:, None])
-    if window is not None:
-        allowed &= (qpos[:, None] - kpos[None, :]) < window
-    return PagedBatch(tokens, qpos, slots, key_slots=key_slots, key_positions=kpos, allowed=allowed,
-                      logit_rows=logit_rows, cu_seq_q=cu_q.int(), cu_seq_k=cu_k.int(), max_q=int(lengths.max()),
-                      max_k=int(ends.max()))
-
-
-def gathered_attention(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-                       masks: dict | None = None) -> torch.Tensor:
-    """Attention of a gathered batch's queries ``q`` ``(N, H, hd)`` over the keys and values it lists
-    (``batch.key_slots``), read from one layer's paged cache ``(num_blocks, block_size, KV, hd)``
-    (its new tokens' written there first). Returns ``(N, H·hd)``; ``masks`` as for :func:`_attend`.
-
-    Two ways, same result: where :func:`varlen_flash_usable`, one variable-length flash-attention
-    call that takes every sequence's queries and keys from where ``cu_seq_q``/``cu_seq_k`` say and
-    is causal within each (aligned at the end, so a cached prefix is visible to all new tokens); it
-    computes only each sequence's own block of scores. Otherwise SDPA over all ``N x M`` pairs
-    with the ``allowed`` mask (:func:`_attend`), which also serves soft-caps and the CPU.
-    """
-    k = k_cache.flatten(0, 1)[batch.key_slots].to(q.dtype)   # (M, KV, hd)
-    v = v_cache.flatten(0, 1)[batch.key_slots].to(q.dtype)
-    if varlen_flash_usable(attn, q, batch):
-        out = flash_varlen(q, k, v, batch.cu_seq_q, batch.cu_seq_k, batch.max_q, batch.max_k, attn.window)
-        return out.reshape(q.shape[0], -1)
-    return _attend(attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                   batch.allowed, masks)[0]
-
-
-def varlen_flash_usable(attn, q: torch.Tensor, batch: PagedBatch) -> bool:
-    """Whether :func:`gathered_attention` may call :func:`flash_varlen`: queries it takes
-    (:func:`flash_varlen_supports`) and a batch that says where its sequences start."""
-    return batch.cu_seq_q is not None and flash_varlen_supports(q, attn.softcap)
-
-
-def flash_varlen_supports(q: torch.Tensor, softcap: float | None = None) -> bool:
-    """Whether :func:`flash_varlen` runs for queries like ``q``: a CUDA build with flash attention,
-    16-bit queries on an Ampere or newer GPU, a head size it takes, and no soft-cap."""
-    hd = q.shape[-1]
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and hd % 8 == 0 and hd <= 256
-            and softcap is None and torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
-
-
-def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                 max_q: int, max_k: int, window: int | None = None) -> torch.Tensor:
-    """PyTorch's variable-length flash attention (differentiable): queries ``(N, H, d)`` and keys and
-    values ``(M, KV, d)`` of ``S`` sequences packed one after another, sequence ``s`` owning queries
-    ``cu_q[s]:cu_q[s+1]`` and keys ``cu_k[s]:cu_k[s+1]`` (int32 ``(S + 1,)``); causal within each
-    sequence, aligned at its end (a sequence with more keys than queries sees its first keys from
-    every query), and within ``window`` keys when given. Returns ``(N, H, d)``. Check
-    :func:`flash_varlen_supports` first."""
-    window_args = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
-    return torch.ops.aten._flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
-                                                   max_q, max_k, 0.0, True, False, **window_args)[0]
-
-
-def right_padded(rows, lengths: np.ndarray, width: int) -> np.ndarray:
-    """The ``rows`` (iterables of ints, row ``i`` holding ``lengths[i]``) as an int64 ``(len(lengths),
-    width)`` array, right-padded with 0. Every value goes into one flat array first, read straight
-    from the iterables (numpy's ``fromiter``: about 3x faster than ``torch.tensor`` of nested lists,
-    4 against 12 ms for 256 sequences of 250 tokens on a laptop-class core), then scattered into
-    the rows in one step."""
-    out = np.zeros((len(lengths), width), dtype=np.int64)
-    out[np.arange(width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
-                                                           count=int(lengths.sum()))
-    return out
-
-
-def upload(values, device, dtype=torch.long) -> torch.Tensor:
-    """Host ``values`` (a list, nested lists or a numpy array) as a tensor on ``device`` (None: the
-    CPU); on CUDA staged through a pinned buffer (:class:`PinnedStaging`) and copied without
-    waiting, so that the host does not stall until the device has run the work queued before the
-    copy (a plain copy from pageable memory would)."""
-    # (numpy reads nested lists about twice as fast as torch does)
-    t = torch.as_tensor(np.asarray(values) if isinstance(values, list) else values, dtype=dtype)
-    if device is not None and torch.device(device).type == "cuda":
-        return PinnedStaging.of(torch.device(device)).upload(t)
-    return t.to(device)
-
-
-class PinnedStaging:
-    """A ring of pinned host memory that small uploads to one CUDA device pass through.
-
-    A copy from pageable memory makes the host wait for the work queued on the device; pinning a
-    fresh tensor instead (``t.pin_memory()``) costs the host milliseconds per call (1.5-7 ms for a
-    0.5 MB batch on an H200's host, against 0.1 ms through this ring). Each upload takes the next
-    region of one buffer allocated once; an event recorded after its copy says when the region may
-    be written again, and a region is reused only after its event has passed (with a buffer much
-    larger than an upload, long before)."""
-
-    _rings: dict = {}
-
-    @classmethod
-    def of(cls, device: torch.device) -> "PinnedStaging":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device not in cls._rings:
-            cls._rings[device] = cls(device)
-        return cls._rings[device]
-
-    def __init__(self, device: torch.device, nbytes: int = 1 << 23):
-        self.device, self.buffer, self.cursor = device, torch.empty(0, dtype=torch.uint8), 0
-        self.nbytes = nbytes
-        self.in_flight: list[tuple[int, int, torch.cuda.Event]] = []   # (start, end, copy done)
-
-    def upload(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        size = -(-n // 256) * 256                      # regions start 256-byte aligned
-        if size > self.buffer.numel():                 # (the old buffer lives on in copies still in flight)
-            self.buffer = torch.empty(max(self.nbytes, 2 * size), dtype=torch.uint8, pin_memory=True)
-            self.cursor, self.in_flight = 0, []
-        if self.cursor + size > self.buffer.numel():
-            self.cursor = 0
-        start, end = self.cursor, self.cursor + size
-        waiting = []
-        for region in self.in_flight:
-            if region[0] < end and start < region[1]:  # overlaps: its copy must be done before we write
-                region[2].synchronize()
-            elif not region[2].query():
-                waiting.append(region)
-        self.in_flight = waiting
-        staged = self.buffer[start:start + n].view(t.dtype).view(t.shape)
-        staged.copy_(t)
-        out = staged.to(self.device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self.in_flight.append((start, end, done))
-        self.cursor = end
-        return out
-
 
 DecodeAttention = Callable[..., torch.Tensor]
 
@@ -418,7 +173,6 @@ def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAtten
     decode functions cannot read: its decode batches must come gathered (:func:`gathered_batch`).
     Only tensor operations run here, no host sync, so a decode call can be captured in a CUDA graph.
     """
-    from lmfs.inference.kv_cache import paged_attention_reference
     decode_attention = decode_attention or paged_attention_reference
     cfg = model.config
     extra = {k: v for k, v in (("window", cfg.window), ("softcap", cfg.attn_softcap)) if v is not None}
@@ -438,7 +192,7 @@ def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAtten
             k_flat.index_copy_(0, batch.slots, kv_in[0, :, None].to(k_flat.dtype))
             latent = k_flat[batch.key_slots][None, :, 0].to(h.dtype)          # (1, M, L)
             k, v = _keys_values(attn, latent, batch.key_positions, key_tables)
-            return attn.o_proj(_attend(attn, q, k, v, batch.allowed, masks))
+            return attn.o_proj(masked_attention(attn, q, k, v, batch.allowed, masks))
         k, v = _keys_values(attn, kv_in, positions, tables)   # (1, KV, N, hd)
         v_flat = cache.v[layer].flatten(0, 1)
         k_flat.index_copy_(0, batch.slots, k[0].transpose(0, 1).to(k_flat.dtype))
@@ -456,22 +210,100 @@ def paged_forward(model, cache, batch: PagedBatch, decode_attention: DecodeAtten
     return model.head(x)[0]
 
 
-def capture_graph(step: Callable[[], object], device: torch.device, pool=None,
-                  warmup: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Capture ``step()`` (no host sync, fixed shapes, e.g. a :func:`paged_forward` decode call) in a
-    CUDA graph on ``device``; returns ``(graph, output)``: ``graph.replay()`` reruns it and rewrites
-    ``output``'s tensors in place. Two warm-up calls (``warmup``, default ``step``) run first on a
-    side stream: they pick the kernels and compile and autotune the Triton ones, none of which may
-    happen during capture. ``pool``: a memory pool shared with other graphs
-    (``torch.cuda.graph_pool_handle()``)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            (warmup or step)()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = step()
-    return graph, output
+# ---------------------------------------------------------------------------------------------
+# The model runner: a scheduled batch in, its sampled tokens out
 
+def pack(next_ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Sampled ids and their log-probs ``(B,)`` as one ``(2, B)`` float64 tensor, so that the host
+    reads both in one copy (float64 holds every token id exactly)."""
+    return torch.stack([next_ids.double(), logprobs.double()])
+
+
+def no_hook(kind: str, real_rows: int, computed_rows: int):
+    """The forward hook that does nothing (:attr:`lmfs.inference.LLM.forward_hook` is None)."""
+    return contextlib.nullcontext()
+
+
+class ModelRunner:
+    """What :class:`~lmfs.inference.LLM` runs each scheduled step with by default: the step's
+    forward (:func:`paged_forward`: a prefill packs the new prompt tokens into one row, on the
+    gathered attention path; a decode step feeds each request its last token, and attention reads
+    the paged cache through the block tables) and the draw of one token per request
+    (:func:`~lmfs.inference.sample`), read back to the host at once.
+
+    The engine calls :meth:`bind` once (the model, its cache, the batch rows, the autocast dtype),
+    :meth:`begin` at the start of each generation, :meth:`step` for each
+    :class:`~lmfs.inference.ScheduledBatch`, and :meth:`end` when it stops. A runner that launches
+    steps ahead (:class:`lmfs.fast.FastRunner`) implements the same four methods."""
+
+    def __init__(self):
+        self.model = self.cache = self.autocast = None
+        self.block_size = self.max_blocks = 0
+        self.stats: dict = {}
+
+    def bind(self, model, cache, max_batch_size: int, autocast: torch.dtype | None) -> None:
+        """Run ``model`` over ``cache`` (a :class:`~lmfs.inference.PagedKVCache`), at most
+        ``max_batch_size`` requests a step, its forwards under ``autocast`` (None: off)."""
+        self.model, self.cache, self.autocast = model, cache, autocast
+        self.block_size = cache.block_size
+        self.max_blocks = -(-model.config.context_length // cache.block_size)
+
+    def begin(self, stats: dict) -> None:
+        """A generation starts; its statistics go to ``stats``."""
+        self.stats = stats
+
+    def end(self, stats: dict) -> None:
+        """The generation ended (or was abandoned): nothing of it is left in flight."""
+
+    def autocast_context(self):
+        """The context every forward runs in: autocast to ``self.autocast`` (its cast cache off, so that
+        each forward casts the weights as they are now), or none."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.cache.device.type, dtype=self.autocast, cache_enabled=False)
+
+    def step(self, batch, hook=None) -> list[tuple[list, list, list, bool]]:
+        """Run ``batch``; returns the tokens handed back: ``(requests, ids, logprobs, prefill)`` per step
+        read (here the step itself, or nothing for an empty batch). ``hook(kind, real_rows,
+        computed_rows)``: a context entered around each forward (None: none)."""
+        reqs = batch.requests
+        if not reqs:
+            return []
+        hook = hook or no_hook
+        if batch.prefill:
+            pb = gathered_batch([(r.tokens[r.cached:], r.cached, r.blocks) for r in reqs], self.block_size,
+                                self.model.config.window, self.cache.device)
+            kind = "prefill"
+        else:
+            pb = self.decode_batch(reqs)
+            kind = "decode"
+        n = pb.tokens.numel()
+        with hook(kind, n, n), self.autocast_context():
+            logits = paged_forward(self.model, self.cache, pb)
+        ids, lps = pack(*self.sample(reqs, logits)).tolist()
+        return [(reqs, ids, lps, batch.prefill)]
+
+    def decode_batch(self, reqs: list) -> PagedBatch:
+        """The decode batch of ``reqs``: each one's last token at its position, its slot in the cache,
+        the block tables (cut to the longest) and the lengths attention reads. MLA caches latents,
+        which paged decode attention cannot read: its decode batch takes the gathered path."""
+        bs = self.block_size
+        if self.cache.mla:
+            return gathered_batch([(r.out[-1:], r.length - 1, r.blocks) for r in reqs], bs,
+                                  self.model.config.window, self.cache.device)
+        width = max(len(r.blocks) for r in reqs)
+        rows = []
+        for r in reqs:
+            pos = r.length - 1
+            rows.append([r.out[-1], pos, r.blocks[pos // bs] * bs + pos % bs] + r.blocks
+                        + [0] * (width - len(r.blocks)))
+        t = upload(rows, self.cache.device)
+        return PagedBatch(t[:, 0], t[:, 1], t[:, 2], block_tables=t[:, 3:].to(torch.int32),
+                          seq_lens=(t[:, 1] + 1).to(torch.int32))
+
+    @staticmethod
+    def sample(reqs: list, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request from ``logits`` ``(B, V)`` by its sampling params (and generator)."""
+        params = [r.params for r in reqs]
+        previous = [r.tokens for r in reqs] if any(p.repetition_penalty != 1 for p in params) else None
+        return sample(logits.float(), params, [r.generator for r in reqs], previous)
