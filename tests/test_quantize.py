@@ -174,20 +174,35 @@ def test_quantised_loss_close_to_full_precision():
 
 @pytest.mark.gpu
 def test_quant_linear_gpu_kernel_matches_cpu_path():
+    from lmfs.kernels.dequant_matmul import dequant_matmul
+
     model = model_of(tiny(d_model=256, n_heads=4, d_ff=768))  # 768 = 6 groups of 128
     quantize_model(model, bits=4, group_size=128)
     x = torch.randint(0, 50, (3, 16))
     cpu = model(x)[0]
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.matmul = dequant_matmul
     gpu = model.to("cuda", torch.bfloat16)(x.cuda())[0]
     torch.testing.assert_close(gpu.float().cpu(), cpu, atol=5e-2, rtol=5e-2)
 
 
-def test_quantize_model_passes_autotune_candidates_to_every_layer():
-    model = quantize_model(model_of(tiny()), bits=8, group_size=16, autotune_candidates=1)
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert layers and all(m.autotune_candidates == 1 for m in layers)
-    assert all(m.autotune_candidates is None
-               for m in quantize_model(model_of(tiny()), bits=8, group_size=16).modules() if isinstance(m, QuantLinear))
-    with pytest.raises(ValueError, match="autotune_candidates"):
-        quantize_model(model_of(tiny()), bits=8, group_size=16, autotune_candidates=0)
+def test_quantize_model_hands_its_matmul_to_every_layer():
+    """The fast product is handed in from outside (quantize does not import the kernels): every
+    QuantLinear calls it with its flattened inputs and its quantised weight; without one, PyTorch."""
+    calls = []
 
+    def matmul(x, qweight):
+        calls.append((tuple(x.shape), qweight.shape))
+        return x @ dequantize_weight(qweight, x.dtype).T
+
+    model = quantize_model(model_of(tiny()), bits=8, group_size=16, matmul=matmul)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.matmul is matmul for m in layers)
+    x = torch.randint(0, 50, (2, 5))
+    plain = quantize_model(model_of(tiny()), bits=8, group_size=16)
+    torch.testing.assert_close(model(x)[0], plain(x)[0])
+    assert len(calls) == len(layers) and all(shape[0] == 10 for shape, _ in calls)
+    assert all(m.matmul is None for m in plain.modules() if isinstance(m, QuantLinear))
+    with pytest.raises(TypeError, match="matmul"):
+        quantize_model(model_of(tiny()), bits=8, group_size=16, matmul=1)

@@ -4,7 +4,8 @@ Decoding one token at a time reads every weight once per step and does two flops
 reads: the step is bound by memory bandwidth, not arithmetic. Storing the weights in 8 or 4 bits
 instead of 16 cuts the bytes read, hence the time per token, by 2 or 4 (minus the overhead of the
 scales). The activations stay in 16 or 32 bits; each weight is turned back into a float just
-before it is multiplied (:func:`lmfs.kernels.dequant_matmul.dequant_matmul` does that in registers).
+before it is multiplied (:func:`lmfs.kernels.dequant_matmul.dequant_matmul`, handed in as ``matmul=``, does
+that in registers).
 
 **Group-wise codes.** A weight matrix ``W`` (out, in) is cut along its input dimension into groups
 of ``group_size`` consecutive columns; every row's group gets its own float scale ``s`` and each
@@ -40,6 +41,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -143,18 +145,16 @@ class QuantLinear(nn.Module):
     ``x`` (..., in) in float32/float16/bfloat16 -> ``y`` (..., out) in x's dtype. The codes, scales
     and zero points are buffers (they are not trained). ``input_scale`` (in,), when set by
     activation-aware scaling, multiplies the input first (it holds ``1/t``; the stored weight is
-    ``W·t``). On a CUDA GPU the product runs in the Triton dequantise-matmul kernel, which never
-    writes the float weight to memory; elsewhere the weight is dequantised with PyTorch and
-    multiplied (the same numbers, for checking and for the CPU). ``autotune_candidates``: how many
-    of the kernel's block-size candidates its autotuner tries (None: all; see
-    :func:`lmfs.kernels.dequant_matmul.dequant_matmul`); every candidate is a compilation.
+    ``W·t``). ``matmul(x2, qweight)``: the product of the ``(M, in)`` inputs with the quantised
+    weight, handed in from outside (:func:`lmfs.kernels.dequant_matmul.dequant_matmul`, the Triton
+    kernel that dequantises in registers and never writes the float weight to memory); None:
+    the weight is dequantised with PyTorch and multiplied (the same numbers, on any device).
     """
 
-    autotune_candidates: int | None = None
-
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 input_scale: torch.Tensor | None = None):
+                 input_scale: torch.Tensor | None = None, matmul: Callable | None = None):
         super().__init__()
+        self.matmul = matmul
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("codes", qweight.codes)
@@ -188,10 +188,8 @@ class QuantLinear(nn.Module):
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)
-        if x.is_cuda:
-            from lmfs.kernels.dequant_matmul import dequant_matmul  # imports Triton: only where it compiles
-
-            y = dequant_matmul(x2, self.qweight, self.autotune_candidates)
+        if self.matmul is not None:
+            y = self.matmul(x2, self.qweight)
         else:
             y = x2 @ dequantize_weight(self.qweight, x.dtype).T
         y = y.reshape(*x.shape[:-1], self.out_features)
@@ -283,21 +281,21 @@ def awq_scale(linear: nn.Module, x: torch.Tensor, bits: int, group_size: int, sy
 @torch.no_grad()
 def quantize_model(model: nn.Module, bits: int = 8, group_size: int = 128, calibration: torch.Tensor | None = None,
                    symmetric: bool = True, include_head: bool = False, max_rows: int = 2048,
-                   autotune_candidates: int | None = None) -> nn.Module:
+                   matmul: Callable | None = None) -> nn.Module:
     """Replace the model's linear layers by :class:`QuantLinear` ones, in place; returns ``model``.
 
     ``bits`` 8 or 4; ``group_size`` must divide every replaced layer's input width. Which layers:
     :func:`quantizable_linears`. With ``calibration`` token ids (B, T), every layer's inputs are
     recorded in one full-precision forward and its weight is quantised with activation-aware
     scaling (:func:`awq_scale`); without, by plain round-to-nearest. The chosen ``α`` of each
-    layer is kept in ``model.awq_alphas`` (name -> α). ``autotune_candidates``: set on every
-    :class:`QuantLinear` (how many block sizes the GPU kernel's autotuner compiles and tries).
+    layer is kept in ``model.awq_alphas`` (name -> α). ``matmul``: set on every :class:`QuantLinear`
+    (e.g. ``functools.partial(lmfs.kernels.dequant_matmul, autotune_candidates=1)``; None: PyTorch).
     """
     if include_head and getattr(model, "lm_head", False) is None:
         raise ValueError("quantize_model: include_head=True, but this model's head is tied to the token embedding "
                          "(tie_embeddings=True), which stays in full precision; build it untied to quantise the head")
-    from lmfs.kernels._triton import n_candidates   # the same check as the kernel's, before any work
-    n_candidates("quantize_model", autotune_candidates)
+    if matmul is not None and not callable(matmul):
+        raise TypeError(f"quantize_model: matmul must be callable as matmul(x, qweight), got {matmul!r}")
     layers = quantizable_linears(model, include_head)
     if not layers:
         raise ValueError(f"quantize_model: {type(model).__name__} has no linear layers to quantise")
@@ -313,7 +311,7 @@ def quantize_model(model: nn.Module, bits: int = 8, group_size: int = 128, calib
         if name in inputs:
             scale, alphas[name], _ = awq_scale(layer, inputs[name], bits, group_size, symmetric)
         quant = QuantLinear.from_linear(layer, bits, group_size, symmetric, scale).to(layer.weight.device)
-        quant.autotune_candidates = autotune_candidates
+        quant.matmul = matmul
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, quant)
     if calibration is not None:

@@ -18,7 +18,7 @@ it does, and together they take longer than the matmuls. Here one layer is nine 
     delta = swiglu(gu) @ W_downᵀ            SwiGLU kernel + matmul (or one Triton GEMV, below)
 
 then the final add + norm and the model's own head. A prefill (a gathered batch, many tokens per
-sequence) runs the same kernels with :func:`lmfs.inference.runner.gathered_attention` (variable-length
+sequence) runs the same kernels with :func:`lmfs.batching.gathered_attention` (variable-length
 flash attention on a GPU, masked SDPA otherwise) over the keys gathered from the cache in place of
 the decode attention.
 
@@ -76,7 +76,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from lmfs.inference.runner import gathered_attention
+from lmfs.batching import gathered_attention
 from lmfs.kernels._triton import FLOAT_DTYPES, INTERPRET, pdl_launch, pdl_supported, row_block, row_warps, tl, triton
 from lmfs.kernels.fused import swiglu
 from lmfs.kernels.paged_attention import paged_decode_attention
@@ -428,7 +428,7 @@ class FusedDecode:
     writes the new keys and values into ``cache`` at ``batch.slots`` and returns the logits ``(R, V)``
     (rows ``batch.logit_rows``, all if None) in the model's dtype. A decode batch (one token per
     sequence) attends through ``decode_attention``; a gathered batch (a prefill, several prompts
-    packed in one row) through :func:`lmfs.inference.runner.gathered_attention`, over the keys it
+    packed in one row) through :func:`lmfs.batching.gathered_attention`, over the keys it
     lists. The kernels are the same for both: a prefill of a few thousand tokens launches about
     fourteen a layer instead of about fifty, which on a GPU is the difference between waiting for
     the host and waiting for the matmuls. ``gemv``: a Triton GEMV instead of cuBLAS for batches of at most

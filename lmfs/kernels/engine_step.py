@@ -1,6 +1,6 @@
 """The inference engine's bookkeeping around a decode step, in two kernels instead of about twenty.
 
-:class:`lmfs.inference.LLM` replays each decode step from a CUDA graph. Around the model's forward
+:class:`lmfs.fast.FastRunner` replays each decode step from a CUDA graph. Around the model's forward
 the step does small things in PyTorch: before it, gather the batch's positions, last tokens and
 block-table rows and compute each token's cache slot (about eight kernels); after it, cast the
 logits to float32, take the argmax and the log-softmax, gather the chosen log-probability, write
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lmfs.inference.runner import PagedBatch
+from lmfs.batching import PagedBatch
 from lmfs.kernels._triton import pdl_launch, pdl_supported, tl, triton
 
 
@@ -55,7 +55,7 @@ def gather_decode_batch_kernel(rows_ptr, positions_ptr, tables_ptr, last_ptr, to
 def gather_decode_batch(rows: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, last_token: torch.Tensor,
                         block_size: int) -> PagedBatch:
     """The decode :class:`~lmfs.inference.PagedBatch` of engine rows ``rows`` ``(B,)``: what
-    ``LLM._decode_batch`` builds with PyTorch indexing, in one kernel. ``positions`` and ``last_token``
+    ``FastRunner._decode_batch`` builds with PyTorch indexing, in one kernel. ``positions`` and ``last_token``
     ``(R,)`` int64, ``tables`` ``(R, width)`` int32, all contiguous on one device."""
     B, width = rows.shape[0], tables.shape[1]
     tokens, pos, slots = (torch.empty(B, dtype=torch.long, device=rows.device) for _ in range(3))
@@ -103,7 +103,7 @@ def greedy_advance(logits: torch.Tensor, rows: torch.Tensor, last_token: torch.T
                    dummy: int, block_v: int | None = None) -> torch.Tensor:
     """The greedy draw of a decode step and the engine's advance, in one kernel: for ``logits``
     ``(B, V)`` (any float dtype, read in float32) the argmax ids and their log-probs (under the
-    logits at temperature 1), returned as a ``(2, B)`` float64 tensor as ``lmfs.inference.engine._pack``
+    logits at temperature 1), returned as a ``(2, B)`` float64 tensor as :func:`lmfs.inference.runner.pack`
     packs them, with ``last_token[rows] = ids`` and ``positions[rows] += 1`` done in place (row
     ``dummy``, the padding row, stays at position 0). What :func:`lmfs.inference.sampling.sample_scaled`
     computes for greedy rows, up to the order of the float32 sum. ``block_v``: vocabulary entries per

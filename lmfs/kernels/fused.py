@@ -378,7 +378,7 @@ class PackedDocuments:
 
     :meth:`attend` is causal attention within each sequence and none across them, the attention of
     each sequence on its own: on a GPU through PyTorch's variable-length flash attention
-    (:func:`~lmfs.inference.runner.flash_varlen`), which computes only each sequence's own block of
+    (:func:`~lmfs.batching.flash_varlen`), which computes only each sequence's own block of
     scores; elsewhere through SDPA with a block-diagonal causal mask of ``N × N`` entries (memory
     grows with the square of the row: for tests and small batches).
     """
@@ -392,7 +392,7 @@ class PackedDocuments:
 
     def cu_seqlens(self, device) -> torch.Tensor:
         """Where each sequence starts, and the total: int32 ``(S + 1,)`` on ``device``."""
-        from lmfs.inference.runner import upload
+        from lmfs.batching import upload
 
         device = torch.device(device)
         if device not in self._bounds:
@@ -412,7 +412,7 @@ class PackedDocuments:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
         """Heads ``(1, H, N, d)`` of the packed row (K/V heads already shared out) -> ``(1, H, N, d)``."""
-        from lmfs.inference.runner import flash_varlen, flash_varlen_supports
+        from lmfs.batching import flash_varlen, flash_varlen_supports
 
         if q.shape[0] != 1 or q.shape[2] != self.total:
             raise ValueError(f"packed sequences of {self.total} tokens in all need heads (1, H, {self.total}, d), "
