@@ -11,6 +11,7 @@ from helpers import DEVICE, HostTransfers
 from lmfs.inference import (LLM, BlockAllocator, KVCache, PagedKVCache, SamplingParams, forward_cached,
                             gathered_batch, generate_static, paged_attention_reference, paged_forward,
                             process_logits, sample)
+from lmfs.fast import fast_engine
 from lmfs.nn import TransformerConfig, TransformerLM, generate
 from lmfs.tokenization import Tokenizer
 
@@ -159,12 +160,12 @@ def test_paged_forward_equals_contiguous(name):
 # Sampling
 
 def test_masked_attention_equals_softmax_and_prefers_the_memory_efficient_kernel_on_cuda():
-    """_attend (prefill's masked attention) equals softmax(q kᵀ/√d + mask) v written out, GQA included;
+    """masked_attention (prefill's masked attention) equals softmax(q kᵀ/√d + mask) v written out, GQA included;
     on CUDA it lets SDPA use only the memory-efficient kernel, then the written-out one (cuDNN plans
     every new prefill length anew); elsewhere SDPA chooses as before."""
     from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
 
-    from lmfs.inference.runner import _attend, masked_sdpa_preference
+    from lmfs.batching import masked_attention, masked_sdpa_preference
 
     attn = tiny(n_kv_heads=2).blocks[0].attn
     g = torch.Generator().manual_seed(0)
@@ -176,7 +177,7 @@ def test_masked_attention_equals_softmax_and_prefers_the_memory_efficient_kernel
     kk, vv = (t.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1) for t in (k, v))
     scores = (q @ kk.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~allowed, float("-inf"))
     expected = (scores.softmax(-1) @ vv).transpose(1, 2).reshape(1, T, -1)
-    torch.testing.assert_close(_attend(attn, q, k, v, allowed), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masked_attention(attn, q, k, v, allowed), expected, atol=1e-5, rtol=1e-5)
 
     before = _cur_sdpa_kernel_backends(with_priority=True)
     assert type(masked_sdpa_preference(torch.device("cpu"))).__name__ == "nullcontext"
@@ -336,7 +337,7 @@ def test_start_then_result_equals_generate_and_holds_the_engine():
     abandoned = llm.start(prompts, params)
     assert llm.allocator.num_used > 0
     abandoned.close()
-    assert llm.allocator.num_used == 0 and sorted(llm.free_rows) == list(range(llm.max_batch_size))
+    assert llm.allocator.num_used == 0 and sorted(llm.scheduler.free_rows) == list(range(llm.scheduler.max_batch_size))
     with pytest.raises(RuntimeError, match="closed"):
         abandoned.result()
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
@@ -354,7 +355,7 @@ def test_engine_greedy_equals_generate(name):
         assert [o.token_ids for o in outs] == reference
         assert all(o.finish_reason == "length" for o in outs)
         assert (llm.stats["preemptions"] > 0) == bool(kw)
-        assert llm.allocator.num_used == 0 and sorted(llm.free_rows) == list(range(llm.max_batch_size))
+        assert llm.allocator.num_used == 0 and sorted(llm.scheduler.free_rows) == list(range(llm.scheduler.max_batch_size))
     # Log-probs of greedy tokens: the model's log-softmax at those positions.
     full = torch.tensor([prompts[1] + reference[1]])
     logp = torch.log_softmax(model(full)[0][0, len(prompts[1]) - 1:-1], -1)
@@ -367,10 +368,10 @@ def test_engine_with_the_triton_decode_kernel():
     model = tiny(n_kv_heads=2).to(DEVICE)
     prompts = random_prompts([3, 7])
     params = SamplingParams(max_tokens=4, temperature=0)
-    outs = LLM(model, block_size=4, attention="triton").generate(prompts, params)
+    outs = fast_engine(model, block_size=4, attention="triton").generate(prompts, params)
     assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 4)
     with pytest.raises(ValueError, match="reference"):
-        LLM(tiny(window=4), attention="triton")
+        fast_engine(tiny(window=4), attention="triton")
 
 
 def test_static_batching_equals_generate():
@@ -439,7 +440,7 @@ def test_prefill_draws_plain_requests_as_sample_does(overlap):
     params = [SamplingParams(max_tokens=1, temperature=t, seed=s, logprobs=True)
               for t, s in ((0.9, 1), (0.0, None), (1.3, 7), (0.7, 3))]
     params[3] = dataclasses.replace(params[3], max_tokens=2)
-    llm = LLM(model, overlap=overlap)
+    llm = fast_engine(model, overlap=overlap)
     outs = llm.generate(prompts, params)
     with torch.no_grad():
         logits = torch.stack([model(torch.tensor([p]))[0][0, -1] for p in prompts])
@@ -555,15 +556,17 @@ def test_failed_capture_falls_back_to_decoding_without_graphs(monkeypatch):
     (the capture is made to fail; on the CPU the plain step then runs as usual)."""
     def broken_capture(self, size, greedy):
         raise RuntimeError("operation not permitted when stream is capturing")
-    monkeypatch.setattr(LLM, "_capture", broken_capture)
+    from lmfs.fast.engine import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "capture", broken_capture)
     model = tiny(n_kv_heads=2)
     prompts = random_prompts([3, 6])
-    llm = LLM(model)
-    llm.cuda_graphs = True
+    llm = fast_engine(model)
+    llm.runner.cuda_graphs = True
     with pytest.warns(UserWarning, match="decoding without graphs"):
         outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
     assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 5)
-    assert llm.cuda_graphs is False and llm.stats["cuda_graphs"] is False
+    assert llm.runner.cuda_graphs is False and llm.stats["cuda_graphs"] is False
 
 
 def _first_new(tokens, start):
@@ -609,11 +612,11 @@ def test_overlapped_decoding_equals_waiting_for_every_step(case, in_flight):
                   zip(params, free, firsts)]   # a stop token each request meets at a different step
         if case == "preemption":
             kw["kv_cache_tokens"] = 40
-    waiting = _outputs(LLM(model, overlap=False, **kw), prompts, params)
-    llm = LLM(model, in_flight=in_flight, **kw)
+    waiting = _outputs(fast_engine(model, overlap=False, **kw), prompts, params)
+    llm = fast_engine(model, in_flight=in_flight, **kw)
     assert_same_outputs(_outputs(llm, prompts, params), waiting)
     assert llm.stats["overlapped_steps"] > 0 and llm.allocator.num_used == 0
-    assert sorted(llm.free_rows) == list(range(llm.max_batch_size))
+    assert sorted(llm.scheduler.free_rows) == list(range(llm.scheduler.max_batch_size))
     if case == "stop_tokens":
         assert [len(r[0]) for r in waiting] == [free[i].index(_first_new(free[i], firsts[i])) + 1
                                                 for i in range(len(prompts))]
@@ -621,7 +624,7 @@ def test_overlapped_decoding_equals_waiting_for_every_step(case, in_flight):
     if case == "preemption":
         assert llm.stats["preemptions"] > 0
     with pytest.raises(ValueError, match="in_flight"):
-        LLM(model, in_flight=0)
+        fast_engine(model, in_flight=0)
 
 
 def test_overlapped_stop_strings_and_streaming_equal_waiting():
@@ -631,7 +634,7 @@ def test_overlapped_stop_strings_and_streaming_equal_waiting():
     sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=i) for i in range(len(prompts))]
     full = LLM(model, tokenizer=tok).generate(prompts, sampled)
     params = [dataclasses.replace(p, stop=[o.text[2 + 3 * i:4 + 3 * i]]) for i, (p, o) in enumerate(zip(sampled, full))]
-    engines = LLM(model, tokenizer=tok, overlap=False), LLM(model, tokenizer=tok)
+    engines = fast_engine(model, tokenizer=tok, overlap=False), fast_engine(model, tokenizer=tok)
     waiting, overlapped = (_outputs(llm, prompts, params) for llm in engines)
     assert_same_outputs(overlapped, waiting)
     assert {r[1] for r in waiting} == {"stop"} and len({len(r[0]) for r in waiting}) > 1
@@ -652,24 +655,24 @@ def test_fused_decode_option():
     llm.generate(prompts, params)
     assert llm.stats["fused_decode"] is False and llm.stats["cuda_graphs"] is False
     with pytest.raises(ValueError, match="fused_decode"):
-        LLM(model, fused_decode="yes")
+        fast_engine(model, fused_decode="yes")
     try:
         from lmfs.kernels.decode import FusedDecode
     except ImportError:
         with pytest.raises(ImportError, match="fused_decode"):
-            LLM(model, fused_decode=True)
+            fast_engine(model, fused_decode=True)
         return
-    fused = LLM(model, fused_decode=True)
+    fused = fast_engine(model, fused_decode=True)
     assert [o.token_ids for o in fused.generate(prompts, params)] == greedy_reference(model, prompts, 4)
     assert fused.stats["fused_decode"] is True
     mla = tiny(**VARIANTS["mla"])
     assert FusedDecode.supports(mla) is not None
     with pytest.raises(ValueError, match="fused_decode"):
-        LLM(mla, fused_decode=True)
+        fast_engine(mla, fused_decode=True)
 
 
 def test_fused_decode_under_autocast_copies_the_weights_only_after_updates():
-    """LLM(autocast=bf16, fused_decode=True) on float32 weights: the fused forward holds bf16 copies
+    """fast_engine(autocast=bf16, fused_decode=True) on float32 weights: the fused forward holds bf16 copies
     of the projection weights (the parameters keep their storage), each generate call first copies
     the parameters updated in place since the call before and nothing otherwise, and its outputs
     equal a fresh engine's on the updated model."""
@@ -679,20 +682,20 @@ def test_fused_decode_under_autocast_copies_the_weights_only_after_updates():
     prompts = random_prompts([3, 7, 5])
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=True)
     options = dict(block_size=4, autocast=torch.bfloat16, fused_decode=True)
-    llm = LLM(model, **options)
-    assert llm._fused.dtype == torch.bfloat16 and [p.data_ptr() for p in model.parameters()] == where
-    assert LLM(model, fused_decode=True)._fused.dtype is None   # no autocast: nothing to copy
+    llm = fast_engine(model, **options)
+    assert llm.runner._fused.dtype == torch.bfloat16 and [p.data_ptr() for p in model.parameters()] == where
+    assert fast_engine(model, fused_decode=True).runner._fused.dtype is None   # no autocast: nothing to copy
     per_update = 7 * model.config.n_layers   # q, k, v, o, gate, up, down of each layer
     first = llm.generate(prompts, params)
-    assert llm.stats["fused_decode"] and llm._fused.weight_copies == per_update   # made once, when built
-    assert _same(llm.generate(prompts, params), first) and llm._fused.weight_copies == per_update
+    assert llm.stats["fused_decode"] and llm.runner._fused.weight_copies == per_update   # made once, when built
+    assert _same(llm.generate(prompts, params), first) and llm.runner._fused.weight_copies == per_update
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     updated = llm.generate(prompts, params)
-    assert llm._fused.weight_copies == 2 * per_update
+    assert llm.runner._fused.weight_copies == 2 * per_update
     assert not _same(updated, first)
-    assert _same(updated, LLM(model, **options).generate(prompts, params))
+    assert _same(updated, fast_engine(model, **options).generate(prompts, params))
 
 
 def _same(a, b) -> bool:
@@ -708,9 +711,9 @@ def test_cuda_graphs_and_kernel_match_plain_gpu(attention):
     model = tiny(n_kv_heads=2).cuda()
     prompts = random_prompts([3, 9, 17, 5, 12, 30, 1])
     params = SamplingParams(max_tokens=16, temperature=0)
-    plain = LLM(model, cuda_graphs=False, attention="reference", fused_decode=False).generate(prompts, params)
+    plain = fast_engine(model, cuda_graphs=False, attention="reference", fused_decode=False).generate(prompts, params)
     for kv in (None, 64):   # 64 tokens: preemptions while graphs replay
-        graphs = LLM(model, cuda_graphs=True, attention=attention, block_size=4, kv_cache_tokens=kv,
+        graphs = fast_engine(model, cuda_graphs=True, attention=attention, block_size=4, kv_cache_tokens=kv,
                      fused_decode=False)
         outs = graphs.generate(prompts, params)
         assert graphs._graphs, "no CUDA graph was captured"
@@ -730,8 +733,8 @@ def test_sampling_through_cuda_graphs_matches_plain_gpu(in_flight):
     prompts = random_prompts([3, 9, 17, 5, 12, 30, 1, 8])
     params = SamplingParams(max_tokens=24, temperature=1.0, logprobs=True)
     torch.manual_seed(3)
-    plain = LLM(model, cuda_graphs=False, attention="reference", fused_decode=False).generate(prompts, params)
-    graphs = LLM(model, cuda_graphs=True, attention="reference", fused_decode=False, in_flight=in_flight)
+    plain = fast_engine(model, cuda_graphs=False, attention="reference", fused_decode=False).generate(prompts, params)
+    graphs = fast_engine(model, cuda_graphs=True, attention="reference", fused_decode=False, in_flight=in_flight)
     for _ in range(2):   # the second run draws into the graphs captured by the first
         torch.manual_seed(3)
         outs = graphs.generate(prompts, params)
@@ -820,12 +823,12 @@ def test_overlapped_graphs_equal_waiting_gpu():
     params = [dataclasses.replace(p, stop_token_ids=[_first_new(out, 1 + i)]) for i, (p, out) in
               enumerate(zip(params, free))]
     for kv in (None, 64):
-        waiting = _outputs(LLM(model, block_size=4, kv_cache_tokens=kv, overlap=False), prompts, params)
+        waiting = _outputs(fast_engine(model, block_size=4, kv_cache_tokens=kv, overlap=False), prompts, params)
         for in_flight in (1, 2):
-            llm = LLM(model, block_size=4, kv_cache_tokens=kv, in_flight=in_flight)
+            llm = fast_engine(model, block_size=4, kv_cache_tokens=kv, in_flight=in_flight)
             assert_same_outputs(_outputs(llm, prompts, params), waiting)
             assert llm.stats["overlapped_steps"] > 0 and llm.allocator.num_used == 0
-    fused = LLM(model, fused_decode="auto")
+    fused = fast_engine(model, fused_decode="auto")
     outs = fused.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
     assert [o.token_ids for o in outs] == greedy_reference(model, prompts, 16)
     from lmfs.kernels.decode import FusedDecode
@@ -847,8 +850,8 @@ def test_engine_bf16_seeded_gpu():
 def test_decode_step_moves_nothing_between_host_and_device(temperature):
     # The decode step is what a CUDA graph captures (greedy and temperature sampling both run in it).
     model = tiny()
-    llm = LLM(model, cuda_graphs=False)
-    step, found = llm._step, set()
+    llm = fast_engine(model, cuda_graphs=False)
+    step, found = llm.runner._step, set()
 
     def watched(*args, **kwargs):
         with HostTransfers() as mode:
@@ -856,7 +859,7 @@ def test_decode_step_moves_nothing_between_host_and_device(temperature):
         found.update(mode.found)
         return out
 
-    llm._step = watched
+    llm.runner._step = watched
     outs = llm.generate(random_prompts([5, 9, 3]), SamplingParams(max_tokens=6, temperature=temperature, seed=0))
     assert all(len(o.token_ids) == 6 for o in outs)
     assert not found, f"the decode step copies between host and device (fails under CUDA graph capture): {found}"
@@ -888,7 +891,7 @@ def test_engine_autocast_matches_the_forward_under_autocast(variant):
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=4, logprobs=True)
     if variant == "fused":
         pytest.importorskip("lmfs.kernels.decode")
-    llm = LLM(model, block_size=4, autocast=torch.bfloat16, fused_decode=variant == "fused")
+    llm = fast_engine(model, block_size=4, autocast=torch.bfloat16, fused_decode=variant == "fused")
     assert all(t.dtype == torch.bfloat16 for t in llm.cache.k) and next(model.parameters()).dtype == torch.float32
     outs = llm.generate(prompts, params)
     assert llm.stats["fused_decode"] is (variant == "fused")
@@ -914,12 +917,12 @@ def test_autocast_graphs_cast_the_weights_of_each_replay_gpu(fused_decode):
     model = tiny(n_kv_heads=2).cuda()
     prompts = random_prompts([5, 8, 3, 12, 20])
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=2, logprobs=True)
-    llm = LLM(model, autocast=torch.bfloat16, fused_decode=fused_decode)
+    llm = fast_engine(model, autocast=torch.bfloat16, fused_decode=fused_decode)
     assert all(t.dtype == torch.bfloat16 for t in llm.cache.k)
     before = None
     for _ in range(2):
         outs = llm.generate(prompts, params)
-        assert llm.stats["cuda_graphs"] and llm._graphs
+        assert llm.stats["cuda_graphs"] and llm.runner._graphs.graphs
         engine = [torch.tensor(o.logprobs) for o in outs]
         same = _forward_logprobs(model, prompts, outs, torch.bfloat16)
         assert max((a - b).abs().max().item() for a, b in zip(engine, same)) < 2e-2
