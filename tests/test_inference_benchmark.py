@@ -18,18 +18,20 @@ def test_benchmark_runs_on_cpu(tmp_path):
     for section in ("decode_batch1", "trace", "paged_kv", "speculative"):
         assert "error" not in result[section], (section, result[section])
     decode = result["decode_batch1"]
-    assert set(decode["rows"]) == {"lmfs engine", "HF static cache", "HF dynamic cache"}
+    assert set(decode["rows"]) == {"lmfs engine", "lmfs plain runner", "HF static cache", "HF dynamic cache"}
     assert all(row["tokens_per_s"] > 0 for row in decode["rows"].values())
-    # Same weights, fp32, greedy: Hugging Face must produce lmfs's tokens.
-    for name in ("HF static cache", "HF dynamic cache"):
+    # Same weights, fp32, greedy: Hugging Face and the plain runner must produce the fast engine's tokens.
+    for name in ("HF static cache", "HF dynamic cache", "lmfs plain runner"):
         same, total = decode["rows"][name]["greedy_tokens_equal_lmfs"].split("/")
         assert same == total, (name, decode["rows"][name])
     assert result["trace"]["rows"]["lmfs engine"]["tokens_per_s"] > 0
+    assert result["trace"]["rows"]["lmfs plain runner"]["tokens_per_s"] > 0
     assert result["paged_kv"]["kv_in_use_over_cached"] >= 1  # whole blocks hold at least the tokens
     spec_rows = result["speculative"]["rows"].values()
     assert spec_rows and all(0 <= row["acceptance_rate"] <= 1 and row["speedup"] > 0 for row in spec_rows)
     assert set(result["ratios"]) >= {"decode: lmfs / HBM roofline", "decode: lmfs / fastest HF",
-                                     "trace: lmfs / best static-batch HF", "paged KV in use / cached bytes"}
+                                     "trace: lmfs / best static-batch HF", "paged KV in use / cached bytes",
+                                     "decode: plain runner / fast", "trace: plain runner / fast"}
 
 
 def test_failing_section_becomes_an_error_row(capsys):

@@ -18,7 +18,7 @@ a. **Batch-1 decode.** Greedy decoding of one request (prompt 128 tokens, 256 ne
    decode step must read every weight once and the cached K/V of every earlier token, so at the
    measured copy bandwidth ``bw`` (:func:`lmfs.bench.probes.copy_bandwidth`, a device-to-device
    copy: read and write counted) no implementation can beat ``bw / (weight bytes + KV bytes per
-   token × mean context)`` tokens/s. Peers: the lmfs engine (:class:`lmfs.inference.LLM`: its
+   token × mean context)`` tokens/s. Peers: the lmfs engine (:func:`lmfs.fast.fast_engine`: its
    decode step captured in CUDA graphs on a GPU, overlapped with the host's work, through the
    fused decode forward where it supports the model; each engine row prints which of these ran,
    and the device seconds of its decode steps against their wall seconds) and Hugging Face ``generate`` with
@@ -26,7 +26,10 @@ a. **Batch-1 decode.** Greedy decoding of one request (prompt 128 tokens, 256 ne
    setting) and, on the CPU only, with its default dynamic cache (eager; on an H200 it ran 6×
    slower than the static cache, so the GPU run leaves it out to save time); the faster counts.
    The engine is built once for this part and the next (its CUDA graphs, captured on first use,
-   are not timed).
+   are not timed). A row **lmfs plain runner** runs the same engine with the plain model runner
+   (:class:`lmfs.inference.LLM` without :func:`lmfs.fast.fast_engine`: the forward op by op, the
+   batch built on the host, every step read before the next) and reports its tokens/s as a
+   fraction of the fast engine's.
 b. **Throughput on a request trace.** 512 requests, seeded: prompt lengths uniform in 128-1024,
    output lengths uniform in 64-512, EOS ignored (each request produces exactly its length). The
    engine gets all requests at once (continuous batching over a paged KV cache). Hugging Face runs
@@ -36,7 +39,8 @@ b. **Throughput on a request trace.** 512 requests, seeded: prompt lengths unifo
    says so); the best batch size counts. Batch sizes are tried smallest first while the time
    spent on them, plus the last one's time again (a larger batch takes at least as long), stays
    within a budget: on a GPU 8 minutes, so that batches of 128 and 256 are measured too and the
-   best batch size is found rather than assumed.
+   best batch size is found rather than assumed. The plain runner runs the trace too (its
+   tokens/s as a fraction of the fast engine's; goal ≥ 0.5).
 c. **Paged KV memory.** The engine's KV memory in use (whole blocks) ÷ the bytes of the tokens
    actually cached, averaged over the decode steps of the trace (from ``llm.stats``); measured by
    the engine's trace run (alone, without the Hugging Face rows, when ``trace`` is not asked for).
@@ -190,7 +194,8 @@ def _peer(rows: dict, name: str, fn: Callable[[], dict]) -> None:
 
 # ---------------------------------------------------------------------------- (a) batch-1 decode
 
-def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool, engine: Callable) -> dict:
+def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool,
+                  engine: Callable[[str], object]) -> dict:
     config = model.config
     prompt = request_trace(1, (sizes.decode_prompt,) * 2, (1, 1), config.vocab_size, seed=1)[0][0]
     bandwidth = copy_bandwidth(device=device)
@@ -203,10 +208,10 @@ def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: 
           f"(weights + KV at mean context {mean_context:.0f}) -> roofline {roofline:,.1f} tokens/s")
     rows, greedy = out["rows"], {}
 
-    def lmfs_engine():
+    def lmfs_engine(kind: str):
         from lmfs.inference import SamplingParams
 
-        llm = engine()
+        llm = engine(kind)
 
         def generate(n):
             result = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
@@ -215,11 +220,14 @@ def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: 
             return result.token_ids
 
         rate = decode_rate(generate, sizes.decode_tokens, sizes.repeats, device)
-        greedy["lmfs"] = list(generate(sizes.decode_tokens))
+        greedy["lmfs" if kind == "fast" else "lmfs plain runner"] = list(generate(sizes.decode_tokens))
         return {"tokens_per_s": rate, "of_roofline": rate / roofline, **engine_flags(llm.stats)}
 
-    _peer(rows, "lmfs engine", lmfs_engine)
+    _peer(rows, "lmfs engine", lambda: lmfs_engine("fast"))
     _free(device)
+    _peer(rows, "lmfs plain runner", lambda: lmfs_engine("plain"))
+    _free(device)
+    plain_vs_fast(rows, out)
     if hf:
         static = "HF static cache" + (" + compile" if device.type == "cuda" else "")
         peers = [(static, dict(cache_implementation="static"))]
@@ -243,6 +251,13 @@ def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: 
     return out
 
 
+def plain_vs_fast(rows: dict, out: dict) -> None:
+    """The plain runner's tokens/s as a fraction of the fast engine's, into ``out`` (when both ran)."""
+    fast, plain = rows.get("lmfs engine", {}), rows.get("lmfs plain runner", {})
+    if "tokens_per_s" in fast and "tokens_per_s" in plain:
+        out["plain_vs_fast"] = plain["tokens_per_s"] / fast["tokens_per_s"]
+
+
 def _hf_decode(model, prompt, sizes, device, roofline, kwargs, greedy, name) -> dict:
     hf = hf_llama(model)
     ids = torch.tensor([prompt], device=device)
@@ -262,7 +277,7 @@ def _hf_decode(model, prompt, sizes, device, roofline, kwargs, greedy, name) -> 
 # ---------------------------------------------------------------------- (b, c) trace throughput
 
 def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool, result: dict,
-                     engine: Callable) -> dict:
+                     engine: Callable[[str], object], plain: bool = True) -> dict:
     trace = request_trace(sizes.trace_requests, sizes.prompt_range, sizes.output_range, model.config.vocab_size)
     useful = sum(o for _, o in trace)
     out = {"requests": len(trace), "prompt_tokens": sum(len(p) for p, _ in trace), "output_tokens": useful,
@@ -270,10 +285,10 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
     print(f"  {len(trace)} requests, {out['prompt_tokens']:,} prompt + {useful:,} output tokens")
     rows = out["rows"]
 
-    def lmfs_engine():
+    def lmfs_engine(kind: str):
         from lmfs.inference import SamplingParams
 
-        llm = engine()
+        llm = engine(kind)
         warm_up(llm)
         params = [SamplingParams(max_tokens=o, temperature=0.0) for _, o in trace]
         outs = []
@@ -284,17 +299,23 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
         produced = sum(len(o.token_ids) for o in outs)
         if produced != useful:
             raise RuntimeError(f"the engine produced {produced} tokens, the trace asked for {useful}")
+        flags = engine_flags(llm.stats)
+        if kind == "plain":
+            return {"seconds": seconds, "tokens_per_s": useful / seconds, **flags}
         result["paged_kv"] = paged_memory(llm.stats)  # the statistics of the last generate call
         print(f"  paged KV in use / cached bytes: {result['paged_kv']['kv_in_use_over_cached']:.3f} "
               f"({result['paged_kv']['preemptions']} preemptions)", flush=True)
-        flags = engine_flags(llm.stats)
         print(f"  engine: {flags['prefill_steps']} prefill steps {flags['prefill_seconds']:.2f} s, "
               f"{flags['decode_steps']} decode steps {flags['decode_seconds']:.2f} s "
               f"(mean batch {flags['mean_decode_batch']:.0f})", flush=True)
         return {"seconds": seconds, "tokens_per_s": useful / seconds, **flags}
 
-    _peer(rows, "lmfs engine", lmfs_engine)
+    _peer(rows, "lmfs engine", lambda: lmfs_engine("fast"))
     _free(device)
+    if plain:
+        _peer(rows, "lmfs plain runner", lambda: lmfs_engine("plain"))
+        _free(device)
+        plain_vs_fast(rows, out)
     if hf:
         started, last = time.perf_counter(), 0.0
         for batch in sizes.hf_batch_sizes:
@@ -354,11 +375,12 @@ def engine_flags(stats: dict) -> dict:
 
 
 def warm_up(llm) -> None:
-    """One request per batch size up to ``llm.max_batch_size`` finishing one step apart, so the
-    decode batch passes through every size: each CUDA graph is captured before timing starts."""
+    """One request per batch size up to the engine's ``max_batch_size`` finishing one step apart, so
+    the decode batch passes through every size: each CUDA graph is captured before timing starts."""
     from lmfs.inference import SamplingParams
 
-    n = llm.max_batch_size if llm.cuda_graphs else 2  # without graphs one short run warms up enough
+    graphs = getattr(llm.runner, "cuda_graphs", False)   # (the plain runner has none)
+    n = llm.scheduler.max_batch_size if graphs else 2  # without graphs one short run warms up enough
     llm.generate([[1 + i % 7] * 4 for i in range(n)], [SamplingParams(max_tokens=i + 1, temperature=0.0)
                                                        for i in range(n)])
 
@@ -490,15 +512,17 @@ def run(device=None, tiny: bool = False, hf: bool = True, parts=PARTS, json_path
 
     model = build_model(config, device, dtype)
     result["params"] = model.num_params()
-    engines = []
+    engines = {}
 
-    def engine():
-        """One engine for the decode and trace parts: its CUDA graphs are captured once."""
+    def engine(kind: str):
+        """One engine of each ``kind`` for the decode and trace parts: ``"fast"``
+        (:func:`lmfs.fast.fast_engine`, its CUDA graphs captured once) or ``"plain"`` (the plain runner)."""
+        from lmfs.fast import fast_engine
         from lmfs.inference import LLM
 
-        if not engines:
-            engines.append(LLM(model, progress=False))
-        return engines[0]
+        if kind not in engines:
+            engines[kind] = (fast_engine if kind == "fast" else LLM)(model, progress=False)
+        return engines[kind]
 
     print(f"model: {result['params'] / 1e9:.3g} B parameters, {result['dtype']} on {result['device']}")
     if "decode" in parts:
@@ -507,10 +531,11 @@ def run(device=None, tiny: bool = False, hf: bool = True, parts=PARTS, json_path
         part_done()
     if "trace" in parts or "paged" in parts:  # the paged KV figure comes from the engine's trace run
         _section(result, "trace", lambda: trace_throughput(model, sizes, device, hf and "trace" in parts, result,
-                                                                  engine))
+                                                           engine, plain="trace" in parts))
         result.setdefault("paged_kv", {"error": "the engine's trace run did not finish"})
         part_done()
-    del model, engines[:]
+    del model
+    engines.clear()
     _free(device)
     if "speculative" in parts:
         _section(result, "speculative", lambda: speculative(sizes, device, dtype))
@@ -524,6 +549,7 @@ def run(device=None, tiny: bool = False, hf: bool = True, parts=PARTS, json_path
 
 GOALS = {"decode: lmfs / HBM roofline": "≥ 0.70", "decode: lmfs / fastest HF": "≥ 2",
          "trace: lmfs / best static-batch HF": "≥ 10", "paged KV in use / cached bytes": "≤ 1.1",
+         "decode: plain runner / fast": "reported", "trace: plain runner / fast": "≥ 0.5",
          "speculative": "≥ 1.8"}
 
 
@@ -537,6 +563,9 @@ def ratios(result: dict) -> dict:
             out[name] = decode[key]
     if "lmfs_vs_hf_best" in trace:
         out["trace: lmfs / best static-batch HF"] = trace["lmfs_vs_hf_best"]
+    for part, name in ((decode, "decode"), (trace, "trace")):
+        if "plain_vs_fast" in part:
+            out[f"{name}: plain runner / fast"] = part["plain_vs_fast"]
     if "kv_in_use_over_cached" in result.get("paged_kv", {}):
         out["paged KV in use / cached bytes"] = result["paged_kv"]["kv_in_use_over_cached"]
     spec = result.get("speculative", {})
