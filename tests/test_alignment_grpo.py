@@ -569,21 +569,22 @@ def test_benchmark_runs_tiny(tmp_path, capsys):
 
 
 def test_forward_timer_times_every_prefill_and_decode_step():
-    """The benchmark's ForwardTimer sees each prefill forward (the engine's _forward, fused or not)
-    and each decode step, counts the prompt tokens as real rows, and leaves the engine as it was."""
+    """The benchmark's ForwardTimer (the engine's forward_hook) sees each prefill forward and each
+    decode step, of the plain and the fast runner, counts the prompt tokens as real rows, and
+    leaves the engine as it was."""
     from lmfs.benchmarks.grpo import ForwardTimer
+    from lmfs.fast import fast_engine
     from lmfs.inference import LLM, SamplingParams
 
     model, tok = tiny()
-    llm = LLM(model, tok, progress=False)
-    forward = llm._forward
-    timer = ForwardTimer(llm)
-    llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))
-    s = llm.stats
-    assert len(timer.events) == s["prefill_steps"] + s["decode_steps"] and s["prefill_steps"] >= 1
-    assert timer.real_rows >= s["prefill_tokens"] + s["decode_tokens"] and timer.useful_seconds() > 0
-    timer.close()
-    assert llm._forward is forward and "_decode_step" not in vars(llm)
+    for llm in (LLM(model, tok, progress=False), fast_engine(model, tok, progress=False)):
+        timer = ForwardTimer(llm)
+        llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0))
+        s = llm.stats
+        assert len(timer.events) == s["prefill_steps"] + s["decode_steps"] and s["prefill_steps"] >= 1
+        assert timer.real_rows >= s["prefill_tokens"] + s["decode_tokens"] and timer.useful_seconds() > 0
+        timer.close()
+        assert llm.forward_hook is None
 
 
 @pytest.mark.gpu

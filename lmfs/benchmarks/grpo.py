@@ -143,27 +143,23 @@ class GcTimer:
 class ForwardTimer:
     """Times the model forwards of an :class:`~lmfs.inference.LLM` and counts real vs computed rows.
 
-    Wraps the engine's decode step (``_decode_step``: the forward and the draw for every running
-    request, on the device, replayed from a CUDA graph on a GPU) and its prefill forward (the
-    engine's ``_forward``, fused or :func:`~lmfs.inference.paged_forward`, when called outside a
-    decode step). Only instruments: the engine computes exactly what it would without it.
+    Installs itself as the engine's ``forward_hook``, which the model runner enters around each
+    forward it launches: a decode step (the forward and the draw for every running request, on the
+    device, replayed from a CUDA graph on a GPU; computed rows include the graph's padding) and a
+    prefill (its packed prompt tokens; the fused forward pads their rows). Only instruments: the
+    engine computes exactly what it would without it.
     """
 
     def __init__(self, llm):
-        if not (hasattr(llm, "_decode_step") and hasattr(llm, "_forward")):
-            raise RuntimeError("lmfs.inference.LLM has no _decode_step or _forward to time: update ForwardTimer "
-                               "to the engine")
+        if llm.forward_hook is not None:
+            raise RuntimeError("the engine already has a forward_hook: close the other timer first")
         self.llm, self.cuda = llm, llm.device.type == "cuda"
         self.reset()
-        self._in_decode = False
-        self._decode, self._forward = llm._decode_step, llm._forward
-        llm._decode_step = self._timed_decode
-        llm._forward = self._timed_prefill
+        llm.forward_hook = self.hook
 
     def close(self) -> None:
-        if self.llm._forward == self._timed_prefill:   # (the engine re-sets it if the weights moved)
-            self.llm._forward = self._forward
-        del self.llm._decode_step
+        if self.llm.forward_hook == self.hook:
+            self.llm.forward_hook = None
 
     def reset(self) -> None:
         # per kind of forward: its timed calls, and its real and computed rows
@@ -178,28 +174,34 @@ class ForwardTimer:
     def real_rows(self) -> int:
         return sum(real for real, _ in self.rows.values())
 
-    def _count(self, kind: str, real: int, computed: int) -> "Stopwatch":
+    def hook(self, kind: str, real: int, computed: int) -> "ForwardTimer.Timed":
+        """The engine's ``forward_hook``: counts the rows; the context it returns times the forward."""
         rows = self.rows[kind]
         rows[0] += real
         rows[1] += computed
-        return self.watches[kind]
+        return self.Timed(self.watches[kind])
 
-    def _timed_decode(self, state, *args):
-        watch = self._count("decode", len(state["rows"]), state["size"])   # padded to the CUDA graph's size
-        self._in_decode = True
-        try:
-            return watch(self._decode, state, *args)
-        finally:
-            self._in_decode = False
+    class Timed:
+        """One forward timed into ``watch`` (a :class:`Stopwatch`) as one of its calls: CUDA events
+        around it on a GPU, wall time on the CPU."""
 
-    def _timed_prefill(self, model, cache, batch, *args):
-        from lmfs.kernels.decode import prefill_rows
+        def __init__(self, watch: "Stopwatch"):
+            self.watch, self.start = watch, None
 
-        if self._in_decode:
-            return self._forward(model, cache, batch, *args)
-        n = batch.tokens.numel()              # packed prompts, whose matmuls the fused forward pads
-        watch = self._count("prefill", n, prefill_rows(n) if self.llm._fused is not None else n)
-        return watch(self._forward, model, cache, batch, *args)
+        def __enter__(self):
+            if self.watch.cuda:
+                self.start = torch.cuda.Event(enable_timing=True)
+                self.start.record()
+            else:
+                self.start = time.perf_counter()
+
+        def __exit__(self, *exc):
+            if self.watch.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.watch.events.append((self.start, end))
+            else:
+                self.watch.events.append(time.perf_counter() - self.start)
 
     def breakdown(self) -> dict:
         """Per kind of forward (``decode``, ``prefill``): its timed ``seconds``, ``rows`` (real) and

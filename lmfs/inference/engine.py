@@ -67,6 +67,7 @@ class LLM:
             raise ValueError(f"autocast={autocast!r}: use None (the weights' dtype) or torch.bfloat16 / torch.float16")
         param = next(model.parameters())
         self.model, self.tokenizer, self.config, self.progress = model, tokenizer, model.config, progress
+        self.autocast = autocast
         self.device, self.dtype = param.device, autocast or param.dtype   # the dtype of the forwards and the cache
         self.scheduler = Scheduler(None, block_size, max_batch_size, max_batch_tokens, model.config.context_length,
                                    tokenizer)
