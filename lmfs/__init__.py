@@ -4,8 +4,6 @@ The package behind the lecture notebooks in ``lectures/``. Every real implementa
 lectures use lives here, one module per idea; notebooks display it with :func:`lmfs.show`.
 """
 
-__version__ = "0.1.0"
-
 import os as _os
 
 import torch as _torch
@@ -15,7 +13,7 @@ import torch as _torch
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lmfs.env import banner, resolve_device, resolve_scale, seed_everything, setup
+from lmfs.env import __version__, banner, resolve_device, resolve_scale, seed_everything, setup
 from lmfs.show import show
 
 __all__ = ["banner", "resolve_device", "resolve_scale", "seed_everything", "setup", "show"]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+__version__ = "0.1.0"   # the package version (pyproject.toml says the same)
+
 SCALES = ("smoke", "full")
 DEVICES = ("cpu", "cuda", "mps")
 
@@ -119,11 +121,9 @@ def device_name(device: torch.device) -> str:
 
 def banner(scale: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """One line each: Python, torch, numpy, triton and lmfs versions, the device and the scale."""
-    import lmfs
-
     lines = [
         f"python {sys.version.split()[0]} | torch {torch.__version__} | numpy {np.__version__}"
-        f" | triton {_version('triton')} | lmfs {lmfs.__version__}",
+        f" | triton {_version('triton')} | lmfs {__version__}",
         f"device: {device} = {device_name(device)}",
         f"scale: {scale}" + (f" | dtype: {str(dtype).replace('torch.', '')}" if dtype else ""),
     ]

@@ -12,8 +12,8 @@ from lmfs.data.langid import LanguageFilter, char_ngram_buckets, train_langid
 from lmfs.data.pii import MaskPII, mask_pii
 from lmfs.data.rules import (C4Rules, C4Thresholds, GopherRules, c4_clean, dup_ngram_char_fraction,
                              gopher_reasons, top_ngram_char_fraction)
-from lmfs.data.sample import LANGUAGES, generate_site, sample_texts, write_sample_warc
-from lmfs.data.warc import _record, pack_crawl, pack_html, read_warc, write_warc
+from lmfs.data.sample import LANGUAGES, generate_site, sample_texts
+from lmfs.data.warc import _record, pack_crawl, pack_html, read_warc, write_sample_warc, write_warc
 
 PAGE = b"<html><body><p>" + b"A page with enough words to keep around. " * 5 + b"</p></body></html>"
 

@@ -23,13 +23,10 @@ made of few phrases, it repeats itself more than prose does.
 
 from __future__ import annotations
 
-import gzip
 import html
-import os
 import random
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 # Phrase lists per language: subject, verb (third person singular), object, adverbial, opener.
 # Sentences are built as [opener] subject verb object adverbial. Every entry is an own phrase.
@@ -305,18 +302,3 @@ def generate_site(n_pages: int, seed: int = 0) -> list[SamplePage]:
             page = SamplePage(url, b"<html><body><p>" + junk + b"</p></body></html>", kind)
         pages.append(page)
     return pages
-
-
-def write_sample_warc(path: str | os.PathLike, n_pages: int, seed: int = 0,
-                      truncate_last: bool = True) -> Path:
-    """The generated site as a WARC file; with ``truncate_last``, one more record follows, cut in
-    half, as when a crawler's download breaks off."""
-    from lmfs.data.warc import response_record, write_warc
-    pages = generate_site(n_pages, seed)
-    types = {p.url: p.content_type for p in pages}
-    path = write_warc(((p.url, p.html) for p in pages), path, content_type=types.__getitem__)
-    if truncate_last:  # one more record, its gzip member holding only the first half of it
-        record = response_record("http://town.example.org/article/cut.html", pages[0].html)
-        with open(path, "ab") as f:
-            f.write(gzip.compress(record[:len(record) // 2], mtime=0))
-    return path

@@ -222,6 +222,22 @@ def _http_head(head: bytes) -> tuple[int | None, dict[str, str]]:
     return int(parts[1]), headers
 
 
+def write_sample_warc(path: str | os.PathLike, n_pages: int, seed: int = 0,
+                      truncate_last: bool = True) -> Path:
+    """The generated site of :mod:`lmfs.data.sample` as a WARC file; with ``truncate_last``, one more
+    record follows, cut in half, as when a crawler's download breaks off."""
+    from lmfs.data.sample import generate_site
+
+    pages = generate_site(n_pages, seed)
+    types = {p.url: p.content_type for p in pages}
+    path = write_warc(((p.url, p.html) for p in pages), path, content_type=types.__getitem__)
+    if truncate_last:  # one more record, its gzip member holding only the first half of it
+        record = response_record("http://town.example.org/article/cut.html", pages[0].html)
+        with open(path, "ab") as f:
+            f.write(gzip.compress(record[:len(record) // 2], mtime=0))
+    return path
+
+
 def pack_crawl(path: str | os.PathLike, max_pages: int, roots: Sequence[str | os.PathLike] | None = None,
                seed: int = 0, installed_docs: bool = True) -> tuple[Path, str]:
     """The crawl the data lectures read: ``(WARC path, what it holds)``.
@@ -235,7 +251,6 @@ def pack_crawl(path: str | os.PathLike, max_pages: int, roots: Sequence[str | os
     if roots:
         path = pack_html(roots, path, max_pages=max_pages)
         return path, f"HTML pages from {', '.join(map(str, roots))}"
-    from lmfs.data.sample import write_sample_warc
     path = write_sample_warc(path, max_pages, seed=seed)
     why = ("no Debian documentation is installed (apt-get install python3-doc debian-reference for real pages)"
            if installed_docs else "installed documentation not asked for")

@@ -101,10 +101,6 @@ class TransformerConfig:
         """Whether layer ``layer`` (0-based) has an MoE feed-forward: every ``moe_every``-th one."""
         return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
 
-    @property
-    def n_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
-
     def num_params(self, active: bool = False) -> int:
         """Parameters of a model built from this config; see :func:`count_params`."""
         return count_params(self, active)

@@ -437,12 +437,10 @@ def upcycle(dense_model, n_experts: int, top_k: int, every: int = 1, router_std:
     so the upcycled model starts computing the dense model's function for any ``top_k``.
     The dense MLPs must be gated (SwiGLU/GeGLU) and the expert width is the dense ``d_ff``.
     """
-    from lmfs.nn.transformer import TransformerLM  # here, not at the top: transformer imports this module
-
     fields = {"moe_router": "topk_softmax"} | {f"moe_{k}": v for k, v in moe_fields.items()}
     config = dataclasses.replace(dense_model.config, moe_experts=n_experts, moe_top_k=top_k, moe_every=every,
                                  moe_expert_dim=None, **fields)
-    model = TransformerLM(config).to(next(dense_model.parameters()).device)
+    model = type(dense_model)(config).to(next(dense_model.parameters()).device)   # a TransformerLM
     dense, ours = dense_model.state_dict(), model.state_dict()
     with torch.no_grad():
         model.load_state_dict({k: v for k, v in dense.items() if k in ours}, strict=False)
