@@ -219,7 +219,7 @@ def test_varlen_flash_equals_the_masked_attention_gpu(fields):
     """gathered_attention's flash path against its masked SDPA path on the same batch: sequences
     with and without a cached prefix (the flash kernel's causal mask aligned at the end), GQA/MQA/MHA,
     a sliding window."""
-    from lmfs.inference.runner import gathered_attention, varlen_flash_usable
+    from lmfs.batching import gathered_attention, varlen_flash_usable
 
     attn = tiny(**fields).blocks[0].attn
     g = torch.Generator().manual_seed(0)
@@ -766,7 +766,7 @@ def test_pinned_staging_ring_uploads_exactly_gpu():
     each dtype and shape upload is given (lists, numpy arrays, bools, empty)."""
     import numpy as np
 
-    from lmfs.inference.runner import PinnedStaging, upload
+    from lmfs.batching import PinnedStaging, upload
 
     ring = PinnedStaging(torch.device("cuda"), nbytes=1 << 12)
     busy = torch.randn(2048, 2048, device="cuda")

@@ -37,7 +37,7 @@ from lmfs.bench.probes import copy_bandwidth
 from lmfs.bench.timing import benchmark, profile_table
 from lmfs.benchmarks.inference import LLAMA_1B, TINY, build_model
 from lmfs.inference import PagedBatch, PagedKVCache, kv_bytes_per_token, paged_forward
-from lmfs.inference.runner import capture_graph
+from lmfs.batching import capture_graph
 from lmfs.inference.quantize import model_weight_bytes
 from lmfs.kernels.decode import FusedDecode
 from lmfs.kernels.paged_attention import paged_decode_attention

@@ -75,10 +75,10 @@ import torch
 
 from lmfs.bench import error_line, save_json
 from lmfs.bench.probes import copy_bandwidth
-from lmfs.bench.timing import synchronize
+from lmfs.benchmarks.hf_generate import decode_rate, hf_batch, hf_decode, wall
 from lmfs.inference import kv_bytes_per_token
 from lmfs.inference.quantize import model_weight_bytes
-from lmfs.nn import TransformerConfig, TransformerLM, to_hf_llama
+from lmfs.nn import TransformerConfig, TransformerLM
 from lmfs.scales import lecture_config
 
 LLAMA_1B = TransformerConfig(vocab_size=32_000, context_length=2048, d_model=2048, n_layers=16, n_heads=32,
@@ -119,22 +119,6 @@ def build_model(config: TransformerConfig, device: torch.device, dtype: torch.dt
     return model.to(dtype).eval()
 
 
-def hf_llama(model: TransformerLM):
-    """Hugging Face ``LlamaForCausalLM`` holding ``model``'s weights, on its device and dtype, ready
-    to ``generate`` (no EOS: every request runs to its length)."""
-    from transformers import LlamaForCausalLM
-
-    state, hf_config = to_hf_llama(model)
-    weight = model.tok_emb.weight
-    with torch.device(weight.device):
-        hf = LlamaForCausalLM._from_config(hf_config, attn_implementation="sdpa", dtype=weight.dtype)
-    hf.load_state_dict(state)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.bos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf.eval()
-
-
 def request_trace(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int,
                   seed: int = 0) -> list[tuple[list[int], int]]:
     """``n`` requests ``(prompt token ids, output length)``, lengths uniform in the inclusive ranges."""
@@ -142,24 +126,6 @@ def request_trace(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     prompts = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
     outputs = rng.integers(output_range[0], output_range[1] + 1, n)
     return [(rng.integers(1, vocab_size, int(p)).tolist(), int(o)) for p, o in zip(prompts, outputs)]
-
-
-def _wall(fn: Callable[[], object], device: torch.device) -> float:
-    synchronize(device)
-    started = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - started
-
-
-def decode_rate(generate: Callable[[int], object], n: int, repeats: int, device: torch.device) -> float:
-    """Decode tokens/s of ``generate(k)`` (one request, ``k`` new tokens): ``n / (t(n+1) - t(1))``
-    with medians over ``repeats`` calls, after one untimed call of each length."""
-    generate(1)
-    generate(n + 1)
-    first = statistics.median(_wall(lambda: generate(1), device) for _ in range(repeats))
-    full = statistics.median(_wall(lambda: generate(n + 1), device) for _ in range(repeats))
-    return n / max(full - first, 1e-9)
 
 
 def _free(device: torch.device) -> None:
@@ -234,7 +200,7 @@ def batch1_decode(model: TransformerLM, sizes: Sizes, device: torch.device, hf: 
         if device.type != "cuda":  # on an H200 the eager dynamic cache ran 6x slower (59 vs 349 tokens/s): left out
             peers.append(("HF dynamic cache", dict(disable_compile=True)))
         for name, kwargs in peers:
-            _peer(rows, name, lambda name=name, kwargs=kwargs: _hf_decode(model, prompt, sizes, device, roofline,
+            _peer(rows, name, lambda name=name, kwargs=kwargs: hf_decode(model, prompt, sizes, device, roofline,
                                                                        kwargs, greedy, name))
             _free(device)
     hf_rates = {k: r["tokens_per_s"] for k, r in rows.items() if k.startswith("HF") and "tokens_per_s" in r}
@@ -258,22 +224,6 @@ def plain_vs_fast(rows: dict, out: dict) -> None:
         out["plain_vs_fast"] = plain["tokens_per_s"] / fast["tokens_per_s"]
 
 
-def _hf_decode(model, prompt, sizes, device, roofline, kwargs, greedy, name) -> dict:
-    hf = hf_llama(model)
-    ids = torch.tensor([prompt], device=device)
-    mask = torch.ones_like(ids)
-
-    def generate(n):
-        with torch.no_grad():
-            return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, **kwargs)
-
-    rate = decode_rate(generate, sizes.decode_tokens, sizes.repeats, device)
-    greedy[name] = generate(sizes.decode_tokens)[0, len(prompt):].tolist()
-    del hf
-    return {"tokens_per_s": rate, "of_roofline": rate / roofline}
-
-
 # ---------------------------------------------------------------------- (b, c) trace throughput
 
 def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, hf: bool, result: dict,
@@ -292,7 +242,7 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
         warm_up(llm)
         params = [SamplingParams(max_tokens=o, temperature=0.0) for _, o in trace]
         outs = []
-        seconds = _wall(lambda: outs.extend(llm.generate([p for p, _ in trace], params)), device)
+        seconds = wall(lambda: outs.extend(llm.generate([p for p, _ in trace], params)), device)
         errors = [o.error for o in outs if o.error]
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
@@ -324,7 +274,7 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
                                                              "budget of the HF batch sizes"}
                 print(f"  {'HF static batch ' + str(batch):<28} {rows[f'HF static batch {batch}']['error']}")
                 continue
-            _peer(rows, f"HF static batch {batch}", lambda batch=batch: _hf_batch(model, trace[:batch], device))
+            _peer(rows, f"HF static batch {batch}", lambda batch=batch: hf_batch(model, trace[:batch], device))
             last = rows[f"HF static batch {batch}"].get("seconds", last)
             _free(device)
     hf_rates = {k: r["tokens_per_s"] for k, r in rows.items() if k.startswith("HF") and "tokens_per_s" in r}
@@ -334,30 +284,6 @@ def trace_throughput(model: TransformerLM, sizes: Sizes, device: torch.device, h
         if "tokens_per_s" in rows["lmfs engine"]:
             out["lmfs_vs_hf_best"] = rows["lmfs engine"]["tokens_per_s"] / hf_rates[out["hf_best"]]
     return out
-
-
-def _hf_batch(model: TransformerLM, requests: list[tuple[list[int], int]], device: torch.device) -> dict:
-    """One static batch through Hugging Face ``generate``: prompts left-padded to the longest, the
-    batch runs to the longest output; only each request's own output length counts."""
-    hf = hf_llama(model)
-    width = max(len(p) for p, _ in requests)
-    ids = torch.zeros(len(requests), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, (prompt, _) in enumerate(requests):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    longest = max(o for _, o in requests)
-    ids, mask = ids.to(device), mask.to(device)
-    with torch.no_grad():
-        seconds = _wall(lambda: hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
-                                            min_new_tokens=longest, do_sample=False, disable_compile=True),
-                        device)
-    del hf
-    useful = sum(o for _, o in requests)
-    return {"seconds": seconds, "tokens_per_s": useful / seconds,
-            "padding_waste": 1 - useful / (len(requests) * longest),
-            "method": f"measured: one batch of the trace's first {len(requests)} requests, "
-                      "its tokens/s stands for the trace"}
 
 
 def engine_flags(stats: dict) -> dict:
@@ -437,7 +363,7 @@ def speculative(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> dict:
         """Median seconds of ``n`` new tokens over 3 calls, and each call's stats."""
         decoder.generate(prompt, 8, gen)  # warm-up: captures the graph on a GPU
         stats = []
-        seconds = statistics.median(_wall(lambda: stats.append(decoder.generate(prompt, n, gen)[1]), device)
+        seconds = statistics.median(wall(lambda: stats.append(decoder.generate(prompt, n, gen)[1]), device)
                                     for _ in range(3))
         return seconds, stats
 
