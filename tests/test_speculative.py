@@ -120,14 +120,14 @@ def test_round_moves_nothing_between_host_and_device(k, sampling):
     # back inside it would fail the capture on a GPU (HostTransfers catches both on the CPU).
     target, draft = models(vocab_size=50, init_std=0.1)
     decoder = SpeculativeDecoder(target, draft if k else None, k=k, **sampling)
-    round_, found = decoder._round, set()
+    round_, found = decoder.decode_round, set()
 
     def watched():
         with HostTransfers() as mode:
             round_()
         found.update(mode.found)
 
-    decoder._round = watched
+    decoder.decode_round = watched
     ids, _ = decoder.generate(torch.tensor([[1, 7, 3]]), 10, torch.Generator().manual_seed(0))
     assert ids.shape == (1, 13)
     assert not found, f"a round copies between host and device (fails under CUDA graph capture): {found}"

@@ -190,7 +190,7 @@ class SpeculativeDecoder:
                            key_slots=cache.block_size + keys, key_positions=keys.clamp(max=last), allowed=allowed)
         return paged_forward(model, cache, batch)
 
-    def _round(self) -> None:
+    def decode_round(self) -> None:
         """One round on the device, no host sync: ``k`` draft steps, the target's verification of the
         pending token and the drafts, the acceptance rule, and the accepted tokens plus one more
         written after the pending one; the position advances past them. Random numbers come from
@@ -220,13 +220,13 @@ class SpeculativeDecoder:
         self.pos += n + 1
 
     def _capture(self) -> torch.cuda.CUDAGraph:
-        """Capture :meth:`_round` after two warm-up rounds on a side stream (kernel selection, the
+        """Capture :meth:`decode_round` after two warm-up rounds on a side stream (kernel selection, the
         allocator's pool); they write into the caches, which :meth:`generate` refills anyway."""
         def warmup():
             self.pos.zero_()
-            self._round()
+            self.decode_round()
 
-        return capture_graph(self._round, self.device, warmup=warmup)[0]
+        return capture_graph(self.decode_round, self.device, warmup=warmup)[0]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int,
@@ -265,7 +265,7 @@ class SpeculativeDecoder:
                 if self.graph is not None:
                     self.graph.replay()
                 else:
-                    self._round()
+                    self.decode_round()
                 rounds += 1
             done = int(self.pos) - (T - 1)   # the host's one read of these rounds
         accepted, proposed = done - rounds, self.k * rounds   # a round emits its accepted drafts + one token
