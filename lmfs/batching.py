@@ -25,12 +25,11 @@ from lmfs.nn.attention import attention_reference
 
 
 
-# The SDPA kernels allowed for the masked attention of :func:`masked_attention` on CUDA. SDPA's own first
-# choice there, cuDNN, builds an execution plan for every new shape (about 12 ms of host time for a
-# kernel of 0.2 ms), and a packed prefill's length changes from call to call; the memory-efficient
-# kernel takes a float mask at any length without a plan. Flash attention takes no mask, so it is
-# left out too; the written-out (math) kernel stays as the fallback. Asking for the efficient
-# kernel first with every backend still enabled was not enough: cuDNN still ran.
+# The SDPA kernels allowed for the masked attention of :func:`masked_attention` on CUDA: the
+# memory-efficient kernel takes a float mask at any length without building a plan, which SDPA's
+# own first choice there, cuDNN, does for every new shape (and a packed prefill's length changes
+# from call to call); flash attention takes no mask; the written-out (math) kernel is the fallback.
+# Only these are enabled: with every backend enabled, cuDNN runs whatever the priority.
 MASKED_SDPA_BACKENDS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 

@@ -315,23 +315,16 @@ def layer_gemv_kernel(x_ptr, ids_ptr, emb_ptr, nw_ptr, eps, w_ptr, y_ptr, N, K, 
 
 #: The most rows (tokens) the layer GEMVs take: each row is a pass over the weights already loaded.
 GEMV_MAX_ROWS = 8
-#: The most tokens a decode step sends through them. Measured on an H200 (bf16, the 1 B model, 512
-#: tokens of context): 0.72 ms a step at batch 1 against 0.97 ms with cuBLAS, but 1.01 against 0.98
-#: at batch 2 and 1.67 against 1.00 at batch 4.
+#: The most tokens a decode step sends through them (more go through cuBLAS, faster from batch 2 on).
 GEMV_STEP_ROWS = 1
 #: The widest input they take (a program holds whole weight rows: ``K`` columns each).
 GEMV_MAX_K = 16384
 #: 16-bit weights a program holds (half as many float32 ones: the same bytes), and its warps, by
-#: epilogue (so by matrix: q/k/v "rope", o and down "residual", gate/up "swiglu", the head "store").
-#: 32,768 16-bit weights are 64 KB, 256 a thread in four warps. On an H200 (batch 1, the 1 B model,
-#: 2,048 or 8,192 columns) whole steps took 0.69 ms with this tile everywhere, against 0.72-0.86 ms
-#: with strips of 4,096-16,384 in 2, 4 or 8 warps.
+#: epilogue (so by matrix: q/k/v "rope", o and down "residual", gate/up "swiglu", the head "store"):
+#: 32,768 16-bit weights are 64 KB, 256 a thread in four warps.
 GEMV_TILES = {epilogue: (1024, 4) if INTERPRET else (32768, 4) for epilogue in ("rope", "residual", "swiglu", "store")}
 #: The most pieces the GEMV path's decode attention cuts a context into (batch 1 has few programs
-#: whatever the split; each piece more is one more partial result to merge). On an H200 (the 1 B
-#: model, 128-token prompt, 256 new tokens) the engine's batch-1 decode ran at 1,424, 1,419, 1,367 and
-#: 1,351 tokens/s with at most 4, 8, 16 and 32 pieces. (Merging the pieces in the attention kernel's
-#: last program of each KV head, instead of in a kernel of its own, measured slower: 1,354 at 4.)
+#: whatever the split; each piece more is one more partial result to merge).
 GEMV_SPLITS = 4
 
 

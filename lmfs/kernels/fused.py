@@ -48,25 +48,10 @@ The two kernels of the fused modules:
 The PyTorch code in :mod:`lmfs.nn` is their reference. Forward and backward are computed in
 float32 and stored in the inputs' dtype.
 
-Measured on an H200 (GPT-2 small, 16 × 1024 tokens, compiled; README): with these kernels fused
-projections take a training step from 30.0 ms (separate projections) to 27.5–27.7 ms; fused
-projections without them take 32.0 ms. ``torch.compile`` traces into the autograd Functions and
-"functionalises" each kernel's writes into the buffers it was handed, and Inductor may copy them:
-
-* :class:`_RopeQKV` returns the ``(B, T, H, d)`` tensors it made and :func:`rope_qkv` transposes
-  them outside the Function. Returning the transposed views from inside made Inductor copy q, k
-  and v after every forward kernel (36 × 14 µs a step); moving the transposes took the step
-  from 28.0–28.2 to 27.5–27.7 ms.
-* One copy is left and kept on purpose: the backward kernel receives the fused gradient three
-  times (once per part), and Inductor copies it (12 × 54 µs a step). Handing the kernel that
-  tensor once (a wrapper kernel with one destination) removed the copy but made the step
-  *slower*, 29.1 ms, with the matmuls 9% slower and 1 ms more idle time between kernels; so did
-  a forward kernel that takes the fused input once (29.4 ms). Both were measured side by side
-  with this version on two GPUs of one machine; the cause is not known.
-* Wrapping the kernels as ``torch.library.custom_op`` removed the copies but made every call a
-  trip through Python and the dispatcher: the gaps between kernels grew from 1.0 to 3.5 ms and
-  the step to 30.3 ms, so the Functions stay. (``torch.library.triton_op``, which lets Inductor
-  launch the kernels itself, is untried.)
+Under ``torch.compile`` the autograd Functions stay (not ``torch.library`` custom ops, whose calls go
+through Python and the dispatcher), and :func:`rope_qkv` transposes the ``(B, T, H, d)`` tensors
+that :class:`_RopeQKV` returns outside the Function, so that Inductor does not copy them; the
+measurements behind both choices are in ``docs/performance.md``.
 """
 
 from __future__ import annotations

@@ -443,10 +443,7 @@ class _FusedExperts(torch.autograd.Function):
 # The router kernels' tiles, and the precision of their float32 products. "tf32x3" runs them on
 # the tensor cores with float32 accuracy: each operand is split into a TF32 part and a TF32
 # remainder and three products are summed (the remainders' product, below float32's rounding, is
-# left out); bf16 activations are exact in TF32. On the FMA units ("ieee") the forward's product
-# took 183 µs at the benchmark's shape (16,384 tokens, d_model 1024, 64 experts, one H200).
-# The tiles are the fastest of six settings timed at the benchmark's shape on an H200 (forward
-# 45 µs, x's gradient 58 µs, the weight's 62 µs).
+# left out); bf16 activations are exact in TF32. (Timings of the choices: docs/performance.md.)
 _ROUTER_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 64, "BLOCK_D": 64, "num_warps": 4}
 _ROUTER_DX_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 32, "BLOCK_D": 64, "num_warps": 4}
 _ROUTER_DW_BLOCKS = {"BLOCK_T": 16, "BLOCK_D": 16} if INTERPRET else {"BLOCK_T": 32, "BLOCK_D": 64, "num_warps": 4}
