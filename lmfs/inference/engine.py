@@ -69,12 +69,15 @@ class LLM:
         self.model, self.tokenizer, self.config, self.progress = model, tokenizer, model.config, progress
         self.autocast = autocast
         self.device, self.dtype = param.device, autocast or param.dtype   # the dtype of the forwards and the cache
-        self.scheduler = Scheduler(None, block_size, max_batch_size, max_batch_tokens, model.config.context_length,
-                                   tokenizer)
+        if max_batch_size < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} and max_batch_tokens={max_batch_tokens} "
+                             "must be positive")
         if kv_cache_tokens is None:
             kv_cache_tokens = self._default_kv_tokens(max_batch_size)
         self.cache = PagedKVCache.for_model(model, kv_cache_tokens, block_size, dtype=self.dtype)
-        self.scheduler.allocator = self.allocator = self.cache.allocator
+        self.allocator = self.cache.allocator
+        self.scheduler = Scheduler(self.allocator, block_size, max_batch_size, max_batch_tokens,
+                                   model.config.context_length, tokenizer)
         self.runner = ModelRunner() if runner is None else runner
         self.runner.bind(model, self.cache, max_batch_size, autocast)
         self.forward_hook: Callable | None = None
