@@ -1,0 +1,1 @@
+from lmfs.fast.grpo import PipelinedGRPOTrainer
