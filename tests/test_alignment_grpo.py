@@ -376,6 +376,9 @@ def test_benchmark_runs_tiny(tmp_path, capsys):
     assert set(saved["lmfs"]["phase_share"]) >= {"rollout", "update", "between"}
     assert sum(saved["lmfs"]["phase_share"].values()) == pytest.approx(1.0)
     assert set(saved["lmfs"]["garbage_collection"]["collections"]) == {"0", "1", "2"}
+    # the sequential trainer's row: its samples/s as a ratio of the pipelined one's
+    assert saved["sequential"]["samples_per_s"] > 0
+    assert saved["sequential_ratio"] == pytest.approx(saved["sequential"]["samples_per_s"] / saved["lmfs"]["samples_per_s"])
     if "error" not in result["trl"]:
         assert result["trl"]["samples_per_s"] > 0 and result["ratio"] > 0
     # the profiled step: one rollout with one call of each of its parts per step or per decode step
@@ -385,7 +388,7 @@ def test_benchmark_runs_tiny(tmp_path, capsys):
     assert parts["rollout"]["wall"] >= parts["prefill"]["wall"] + parts["decode steps"]["wall"]
     assert saved["lmfs"]["profile"]["wall"] >= parts["rollout"]["wall"] + parts["update"]["wall"]
     out = capsys.readouterr().out
-    assert "samples/s" in out and "under the profiler" in out
+    assert "samples/s" in out and "under the profiler" in out and "sequential / pipelined" in out
 
 
 def test_forward_timer_times_every_prefill_and_decode_step():

@@ -308,6 +308,7 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     decode step is captured in a CUDA graph for each batch size met, one on the CPU); with ``profile``,
     then one more step under the profiler (:func:`profile_step`)."""
     from lmfs.alignment.grpo import PHASES
+    from lmfs.alignment.sft import end_id
     from lmfs.fast.grpo import PipelineConfig, PipelinedGRPOTrainer
 
     cuda = next(model.parameters()).device.type == "cuda"
@@ -414,7 +415,7 @@ def profile_step(trainer) -> dict:
     from lmfs.bench.timing import device_timeline
 
     llm = trainer.llm
-    parts = {"rollout": (trainer, "rollout"), "requests": (llm, "_requests"), "admission": (llm, "_admit"),
+    parts = {"rollout": (trainer, "finish_rollout"), "requests": (llm, "_requests"), "admission": (llm, "_admit"),
              "prefill": (llm, "_prefill"), "decode steps": (llm, "_decode"), "reward": (trainer, "score"),
              "batch": (trainer, "micro_batches"), "update": (trainer, "update"),
              "optimizer": (trainer, "optimizer_step")}
