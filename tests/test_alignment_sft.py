@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmfs.alignment import sft, tasks
+from lmfs.alignment import grpo, sft, tasks
 from lmfs.alignment.base import _store, pretraining_text, train_tokenizer
 from lmfs.alignment.preference import (RewardModel, bradley_terry_loss, dpo_loss, dpo_metrics, reward_accuracy,
                                        score_pairs, sequence_logprob, train_dpo, train_reward_model)
@@ -123,7 +123,7 @@ def test_instructions_and_preferences_are_right():
 
 
 def test_docstring_examples():
-    for module in (tasks, sft):
+    for module in (tasks, sft, grpo):
         assert doctest.testmod(module).failed == 0
 
 
