@@ -177,6 +177,8 @@ def performance_rows() -> list[str]:
                 f"({lm['useful_share_of_rollout']:.0%} of the rollout); "
                 + (f"**{grpo['ratio']:.2f}×** TRL's samples/s" if "ratio" in grpo else "TRL not measured")
                 + f" ({grpo['params'] / 1e6:.2f} M parameters, {grpo['batch']} sequences a step)")
+        if "sequential_ratio" in grpo:   # the trainer as taught against the pipelined one
+            text += f"; the sequential trainer {grpo['sequential_ratio']:.2f}× the pipelined one's samples/s"
         others = grpo.get("other_runs", [])   # the same code run again: how far one run is from another
         if others:
             ratio = _span(others, "ratio", "{:.2f}×")

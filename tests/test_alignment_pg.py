@@ -108,6 +108,17 @@ def test_no_baseline_and_baseline_losses():
         pg_loss(logp, adv, "ppo")
 
 
+def test_raw_rewards_carry_no_gradient():
+    """Rewards are constants of the policy gradient: a raw_rewards tensor that requires grad (say, a
+    learned reward model's output) gets none from the no-baseline or the baseline loss."""
+    logp, _, _, _ = _batch()
+    logp = logp.clone().requires_grad_()
+    for kind, extra in (("no_baseline", {}), ("baseline", dict(baseline=0.5))):
+        rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64, requires_grad=True)
+        pg_loss(logp, torch.zeros(5), kind, raw_rewards=rewards, **extra).sum().backward()
+        assert rewards.grad is None and logp.grad is not None, kind
+
+
 def test_masked_mean_and_normalize_against_loops():
     logp, _, _, mask = _batch()
     x = logp.clone()

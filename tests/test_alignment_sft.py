@@ -1,6 +1,5 @@
 """lmfs.alignment: tasks and checkers, SFT (masking, packing, log-probs, accumulation), reward model, DPO."""
 
-import contextlib
 import copy
 import doctest
 import filecmp
@@ -11,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmfs.alignment import sft, tasks
+from lmfs.alignment import grpo, sft, tasks
 from lmfs.alignment.base import _store, pretraining_text, train_tokenizer
 from lmfs.alignment.preference import (RewardModel, bradley_terry_loss, dpo_loss, dpo_metrics, reward_accuracy,
                                        score_pairs, sequence_logprob, train_dpo, train_reward_model)
 from lmfs.alignment.sft import (END, IGNORE, SPECIAL_TOKENS, USER, accumulate_sft_gradients, encode_example, end_id,
-                                format_prompt, generate_responses, pack, packed_response_logprobs, pad_batch,
+                                format_prompt, generate_responses, pack, pad_batch,
                                 response_logprobs, sft_loss, token_losses, train_sft)
 from lmfs.alignment.tasks import (Problem, arithmetic_problems, check_answer, check_countdown, countdown_problems,
                                   extract_answer, instruction_examples, load_records, load_split, preference_pairs,
@@ -124,7 +123,7 @@ def test_instructions_and_preferences_are_right():
 
 
 def test_docstring_examples():
-    for module in (tasks, sft):
+    for module in (tasks, sft, grpo):
         assert doctest.testmod(module).failed == 0
 
 
@@ -231,64 +230,30 @@ def test_response_logprobs_match_categorical(tok):
         response_logprobs(model, input_ids, mask[:, :3])
 
 
-def _ragged_batch(vocab=50, rows=6, seed=1):
-    """Right-padded prompt + response rows of different lengths (one response empty), and the lengths."""
-    from lmfs.alignment.grpo import batch_tensors
+def test_entropy_is_finite_where_logits_are_minus_infinity():
+    """Top-k-masked logits (-inf outside each position's top 5): response_logprobs's entropy is that
+    of the 5 kept logits alone, and its gradient is finite (exp(-inf) * -inf would give NaN)."""
 
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 6, (rows,), generator=g)]
-    responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
-                 for n in torch.randint(1, 12, (rows,), generator=g)]
-    responses[2] = []
-    ids, mask = batch_tensors(prompts, responses)
-    return ids, mask, [len(p) + len(r) for p, r in zip(prompts, responses)]
+    class TopK(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
 
-
-@pytest.mark.parametrize("variant", [{}, dict(n_kv_heads=2), dict(window=5), dict(attn_softcap=20.0)],
-                         ids=["mha", "gqa", "window", "softcap"])
-def test_packed_response_logprobs_equal_the_padded_ones(variant, monkeypatch):
-    """The sequences packed into one row, each attending only to itself, give the padded batch's
-    log-probs, entropies and gradients (plain model on the padded batch vs the fused copy packed);
-    attending across the packed sequences would not."""
-    from lmfs.kernels.fused import fuse_model
+        def forward(self, idx, positions=None):
+            logits = self.model(idx, positions=positions)[0]
+            return (logits.masked_fill(logits < logits.topk(5, dim=-1).values[..., -1:], float("-inf")),)
 
     torch.manual_seed(0)
-    plain = TransformerLM(TransformerConfig(vocab_size=50, context_length=32, d_model=32, n_layers=2, n_heads=4,
-                                            **variant))
-    fused = fuse_model(copy.deepcopy(plain), chunked_loss=False, norms=True, embedding=True)
-    ids, mask, lengths = _ragged_batch()
-    assert sum(lengths) < ids.numel()                                 # there is padding to leave out
-    logp, entropy = response_logprobs(plain, ids, mask)
-    packed_logp, packed_entropy = packed_response_logprobs(fused, ids, mask, lengths)
-    torch.testing.assert_close(packed_logp, logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(packed_entropy, entropy, atol=1e-5, rtol=0)
-    (logp.sum() + entropy.sum()).backward()
-    (packed_logp.sum() + packed_entropy.sum()).backward()
-    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=0, msg=name)
-    # Without packed_documents the row is one long causal sequence, each reading the ones before it.
-    monkeypatch.setattr("lmfs.kernels.fused.packed_documents", lambda model, lengths: contextlib.nullcontext())
+    model = TopK(TransformerLM(TransformerConfig(vocab_size=50, context_length=16, d_model=16, n_layers=1, n_heads=2)))
+    ids = torch.randint(0, 50, (3, 10))
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    logp, entropy = response_logprobs(model, ids, mask)
     with torch.no_grad():
-        across, _ = packed_response_logprobs(fused, ids, mask, lengths)
-    assert (across - logp).abs().max() > 1e-3           # (100x the tolerance above)
-
-
-def test_packed_response_logprobs_refuse_a_plain_model_and_bad_lengths(monkeypatch):
-    from lmfs.kernels.fused import fuse_model
-
-    model = TransformerLM(TransformerConfig(vocab_size=50, context_length=32, d_model=16, n_layers=1, n_heads=2))
-    ids, mask, lengths = _ragged_batch()
-    with pytest.raises(TypeError, match="fuse it first"):
-        packed_response_logprobs(model, ids, mask, lengths)
-    fuse_model(model, chunked_loss=False)
-    with pytest.raises(ValueError, match="lengths must give"):
-        packed_response_logprobs(model, ids, mask, lengths[:-1])
-    with pytest.raises(ValueError, match="lengths must give"):
-        packed_response_logprobs(model, ids, mask, [0] + lengths[1:])
-    monkeypatch.setattr("lmfs.kernels.fused.MASKED_PACKING_TOKENS", sum(lengths) - 1)
-    with pytest.raises(ValueError, match="without flash attention"):
-        packed_response_logprobs(model, ids, mask, lengths)
+        kept = model.model(ids[:, :-1])[0].topk(5, dim=-1).values
+    assert torch.isfinite(entropy).all()
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=kept).entropy(), atol=1e-5, rtol=0)
+    entropy.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_accumulated_gradient_equals_full_batch(tok):

@@ -377,3 +377,16 @@ def test_chi_square_test_matches_scipy_and_pools_rare_cells():
     probs, counts = np.array([0.55, 0.4, 0.02, 0.03]), np.array([50, 44, 4, 2])
     p, dof = chi_square_test(counts, probs)
     assert dof == 2 and abs(p - scipy_stats.chisquare([50, 44, 6], [55, 40, 5]).pvalue) < 1e-12
+
+
+def test_extract_choice_reads_the_chosen_letter_in_free_text():
+    """Multiple choice by generation: the letter a reply picks, wherever it says so, and None where
+    the reply names no letter of the choices (an article "A" or "a" is no choice)."""
+    from lmfs.eval import extract_choice
+
+    cases = {"The answer is (C).": 2, "Answer: D": 3, "B) the park": 1, "(A) because": 0, "C": 2, "A.": 0,
+             "I doubt (B) and (C), so the answer is A": 0, "the park, so (B)": 1, "A cat sat.": None,
+             "the answer is a cat": None, "E) beyond the choices": None, "no letter here": None}
+    assert {text: extract_choice(text, 4) for text in cases} == cases
+    with pytest.raises(ValueError, match="n_choices"):
+        extract_choice("A", 0)

@@ -102,6 +102,11 @@ def test_grpo_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
     row = next(r for r in results.performance_rows() if r.startswith("| `grpo`"))
     assert ("other runs (their notes say what differed): 44% of a step (56%–59% of the rollout), 7.92× TRL's "
             "samples/s") in row
+    assert "sequential" not in row
+    run["sequential_ratio"] = 0.61          # the sequential trainer's samples/s over the pipelined one's
+    path.write_text(json.dumps(run))
+    row = next(r for r in results.performance_rows() if r.startswith("| `grpo`"))
+    assert "sequences a step); the sequential trainer 0.61× the pipelined one's samples/s; other runs" in row
 
 
 def test_moe_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):

@@ -1,32 +1,28 @@
-"""The full GRPO trainer: rollouts through the inference engine, rewards, reference, update.
+"""The GRPO trainer: rollouts through the inference engine, rewards, reference, update.
 
 One step of :class:`GRPOTrainer` (Shao et al. 2024, DeepSeekMath; the loss variants of Dr. GRPO,
-Liu et al. 2025) runs four phases, each timed on its own:
+Liu et al. 2025) runs four phases, one after the other, each a public method:
 
-1. **rollout**: ``prompts_per_step`` problems, each asked ``group_size`` times, are answered by
-   :class:`lmfs.inference.LLM` (continuous batching over a paged KV cache; the group's copies of a
-   prompt share its full KV blocks). The engine returns the sampled tokens and their log-probs.
-2. **reward**: ``reward_fn(problem, response_text)`` per response, turned into group-normalised
-   advantages (:func:`lmfs.alignment.pg.group_advantages`); the padded micro-batches are built
-   (sequences sorted by length, so each micro-batch pads little). The true checker
+1. **rollout** (:meth:`GRPOTrainer.rollout`): ``prompts_per_step`` problems, each asked
+   ``group_size`` times, are answered by :class:`lmfs.inference.LLM` (continuous batching over a
+   paged KV cache; the group's copies of a prompt share its full KV blocks). The engine returns the
+   sampled tokens and their log-probs.
+2. **reward** (:meth:`GRPOTrainer.score`, :meth:`GRPOTrainer.micro_batches`): ``reward_fn(problem,
+   response_text)`` per response, turned into group-normalised advantages
+   (:func:`lmfs.alignment.pg.group_advantages`), and the padded micro-batches (sequences sorted by
+   length, so each micro-batch pads little). The true checker
    (:func:`lmfs.alignment.tasks.check_answer`) is also recorded as ``accuracy``, so a reward that
-   can be gamed shows up as reward rising while accuracy does not. The forward passes need only the
-   tokens, and the advantages enter only the loss: a training step scores on the host while the
-   device computes the update's first forward, and this phase's time is the host's.
-3. **reference**: with a KL penalty (or a ``reference`` passed in to watch the KL), the frozen
-   reference model's log-probs of the same tokens; with neither, no reference model exists.
-4. **update**: ``epochs_per_batch`` optimizer steps over the rollout batch, each accumulating the
-   gradient over micro-batches of ``micro_batch_size`` sequences.
+   can be gamed shows up as reward rising while accuracy does not.
+3. **reference** (:meth:`GRPOTrainer.reference_logprobs`): with a KL penalty (or a ``reference``
+   passed in to watch the KL), the frozen reference model's log-probs of the same tokens; with
+   neither, no reference model exists.
+4. **update** (:meth:`GRPOTrainer.update`): ``epochs_per_batch`` optimizer steps over the rollout
+   batch, each accumulating the gradient over micro-batches of ``micro_batch_size`` sequences.
 
-Numerics: on a GPU the update runs under bfloat16 autocast on the float32 master weights, and so
-do the rollouts (the engine's ``autocast``): the sampler's log-probs come from the same arithmetic
-as the update's, and the decode step's projections are bfloat16 matmuls instead of float32 ones,
-several times faster. With ``fused_update`` the policy's attention and gated MLPs compute through
-:func:`lmfs.kernels.fused.fuse_model` (q/k/v and gate/up as one matmul each, Triton RoPE and SwiGLU
-under autocast on CUDA, an embedding lookup with a parallel backward) and on CUDA steps torch's
-fused AdamW (the same update rule as :class:`lmfs.optim.AdamW`): the same parameters and state
-dict, the same function up to rounding. With ``packed_update`` as well, the update's forward runs on
-the batch's sequences packed into one row instead of right-padded to the longest.
+Each phase is timed by a :class:`~lmfs.train.phases.PhaseTimer`, which waits for the device at its ends, so a phase's
+seconds hold its device work. On a GPU the update runs under bfloat16 autocast on the float32
+master weights, and so do the rollouts (the engine's ``autocast``): the sampler's log-probs come
+from the same arithmetic as the update's.
 
 The *old* log-probs (the denominator of the importance ratio) need no forward pass of their own:
 an epoch is one optimizer step, so the whole first epoch runs on the policy that sampled the batch,
@@ -37,16 +33,17 @@ token (the end-of-turn token included), so prompt tokens carry no loss. Bad inpu
 behaviour: a group of one is refused (it has no baseline), groups with equal rewards get zero
 advantages, a response with no tokens contributes nothing, and a prompt that does not fit the
 context is left out with a warning; a non-finite loss stops training with an error.
+
+:class:`lmfs.fast.grpo.PipelinedGRPOTrainer` runs the same algorithm with its phases overlapped
+and the update's forward fused, packed or compiled: the same losses and weights, faster.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import itertools
 import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -58,15 +55,13 @@ from tqdm.auto import tqdm
 
 from lmfs.alignment.pg import (AGGREGATIONS, KL_ESTIMATORS, PG_LOSSES, aggregate, clip_fraction, group_advantages,
                                kl_estimate, pg_loss)
-from lmfs.alignment.sft import format_prompt, packed_response_logprobs, response_logprobs
+from lmfs.alignment.sft import format_prompt, padding_id, response_logprobs
 from lmfs.alignment.tasks import check_answer
-from lmfs.bench import error_line
-from lmfs.bench.timing import synchronize
 from lmfs.eval import Interval, bootstrap_ci, pass_at_k
 from lmfs.inference import LLM, SamplingParams
-from lmfs.inference.runner import right_padded, upload
 from lmfs.optim import AdamW, clip_grad_norm
 from lmfs.train import load_checkpoint, resolve_autocast, restore_rng_state, save_checkpoint
+from lmfs.train.phases import PhaseTimer
 
 PHASES = ("rollout", "reward", "reference", "update")
 
@@ -77,30 +72,16 @@ class GRPOConfig:
 
     ``group_size`` answers per prompt (≥ 2: the group's mean is the baseline); ``prompts_per_step``
     prompts per rollout batch, so a step has ``group_size · prompts_per_step`` sequences;
-    ``loss`` one of :data:`~lmfs.alignment.pg.PG_LOSSES`; ``aggregation`` how per-token losses become one number
-    (``"constant"``: Dr. GRPO's sum over tokens divided by ``max_new_tokens``); ``kl_coef`` the
-    weight of the per-token KL estimate ``kl_estimator`` to the reference (0: no reference model
-    runs); ``epochs_per_batch`` optimizer steps per rollout batch (each over the whole batch);
-    ``autocast``: ``"auto"`` (bfloat16 on CUDA, off elsewhere), ``"bf16"`` or ``"off"``: the dtype the
-    update and the rollouts compute in (the weights stay float32); ``fused_update``: compute the
-    policy through :func:`lmfs.kernels.fused.fuse_model`
-    (``chunked_loss=False, norms=True, embedding=True``: one matmul for q/k/v and for gate/up, Triton
-    RoPE, SwiGLU and RMSNorm on CUDA, ``F.embedding``'s lookup; its modules change class, its
-    parameters and state dict stay) and, on CUDA, step torch's fused AdamW and foreach clipping;
-    ``packed_update`` (needs ``fused_update``): the update's forward runs on the batch's sequences
-    packed into one row, each attending only to itself, instead of right-padded to the longest
-    (:func:`~lmfs.alignment.sft.packed_response_logprobs`: the same log-probs, without computing the
-    padding; variable-length flash attention on a GPU, elsewhere a block-diagonal mask, for micro-batches
-    of at most :data:`~lmfs.kernels.fused.MASKED_PACKING_TOKENS` tokens); ``overlap_steps``: start a
-    step's rollout while the device still runs the update of the step before, when nothing runs in
-    between (:meth:`GRPOTrainer.train_step`; the same samples, since the rollout's random draws
-    come after the update's either way); ``compile_update``: the update's forward, log-probs and
-    entropy run through ``torch.compile`` (dynamic shapes, so one compilation serves every batch
-    length; the first update waits for it, tens of seconds on a GPU; if compiling fails, a warning
-    says why and the update runs without it), not with ``packed_update``;
-    ``checkpoint_dir``: where ``grpo.pt`` is written every ``checkpoint_every`` steps and at the end,
-    and read back on start; ``eval_every``: pass@1 on ``eval_problems`` every that many steps
-    (0: never), with ``eval_samples`` answers per problem.
+    ``loss`` one of :data:`~lmfs.alignment.pg.PG_LOSSES`; ``aggregation`` how per-token losses become
+    one number (``"constant"``: Dr. GRPO's sum over tokens divided by ``max_new_tokens``);
+    ``kl_coef`` the weight of the per-token KL estimate ``kl_estimator`` to the reference (0: no
+    reference model runs); ``epochs_per_batch`` optimizer steps per rollout batch (each over the
+    whole batch); ``autocast``: ``"auto"`` (bfloat16 on CUDA, off elsewhere), ``"bf16"`` or
+    ``"off"``: the dtype the update and the rollouts compute in (the weights stay float32);
+    ``max_batch_size``: sequences the engine decodes at once; ``checkpoint_dir``: where ``grpo.pt``
+    is written every ``checkpoint_every`` steps and at the end, and read back on start;
+    ``eval_every``: pass@1 on ``eval_problems`` every that many steps (0: never), with
+    ``eval_samples`` answers per problem.
     """
 
     group_size: int = 8
@@ -123,12 +104,8 @@ class GRPOConfig:
     eval_samples: int = 4
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
-    max_batch_size: int = 512            # sequences the engine decodes at once
+    max_batch_size: int = 512
     autocast: str = "auto"
-    fused_update: bool = True
-    packed_update: bool = False
-    overlap_steps: bool = True
-    compile_update: bool = False
     seed: int = 0
     progress: bool = True
 
@@ -154,12 +131,6 @@ class GRPOConfig:
                               ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        if self.packed_update and not self.fused_update:
-            problems.append("packed_update=True needs fused_update=True: the fused model's attention is what "
-                            "keeps the packed sequences apart")
-        if self.packed_update and self.compile_update:
-            problems.append("packed_update=True and compile_update=True do not go together: the packed forward "
-                            "runs on the host's lists of sequence lengths, which torch.compile cannot trace")
         if problems:
             raise ValueError("invalid GRPOConfig:\n  - " + "\n  - ".join(problems))
 
@@ -227,43 +198,76 @@ class Evaluation:
 @dataclass
 class Rollout:
     """One rollout batch of ``N`` sequences (``N = prompts_per_step · group_size``, groups consecutive):
-    token ids of each prompt and response, the response's text (without its closing special token),
-    the log-prob the sampler gave each response token, and per sequence its reward, the true
-    checker's verdict and (after :meth:`GRPOTrainer.score`) its advantage. A request the engine
-    refused has an empty response. A text is None until :meth:`GRPOTrainer.score` decodes it where
-    the rollout left it for later (``GRPOTrainer.rollout(..., texts=False)``)."""
+    token ids of each prompt and response, the response's text (without its closing special token;
+    None where :meth:`GRPOTrainer.score` is left to decode it), the log-prob the sampler gave each
+    response token, and per sequence its reward, the true checker's verdict and its advantage (all
+    three None until :meth:`GRPOTrainer.score`). A request the engine refused has an empty response."""
 
     problems: list
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     texts: list[str | None]
     sampler_logprobs: list[list[float]]
-    rewards: torch.Tensor          # (N,) from reward_fn
-    correct: torch.Tensor          # (N,) from check_answer
-    advantages: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None         # (N,) from reward_fn
+    correct: torch.Tensor | None = None         # (N,) from check_answer
+    advantages: torch.Tensor | None = None      # (N,) group-normalised
 
 
 def batch_tensors(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids (B, L), mask (B, L-1))`` for sequences ``prompt + response``, right-padded with 0.
+                  device=None, *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids (B, L), mask (B, L-1))`` for sequences ``prompt + response``, right-padded with
+    ``pad_id`` (:func:`lmfs.alignment.sft.padding_id`).
 
     ``mask[i, t]`` is True exactly where token ``t + 1`` of sequence ``i`` belongs to its response, so
     the log-prob the model gives at position ``t`` is that of a response token. A response with no
     tokens has an all-False row (it contributes nothing to any loss).
 
-    >>> ids, mask = batch_tensors([[5, 6], [7]], [[8, 9], []])
+    >>> ids, mask = batch_tensors([[5, 6], [7]], [[8, 9], []], pad_id=99)
     >>> ids.tolist(), mask.int().tolist()
-    ([[5, 6, 8, 9], [7, 0, 0, 0]], [[0, 1, 1], [0, 0, 0]])
+    ([[5, 6, 8, 9], [7, 99, 99, 99]], [[0, 1, 1], [0, 0, 0]])
     """
     lengths = np.array([len(p) + len(r) for p, r in zip(prompt_ids, response_ids)])
     L = max(lengths.max(), 2)
-    # the padded rows and the mask in numpy (a third of torch's time on the CPU), uploaded once each
-    ids = right_padded((itertools.chain(p, r) for p, r in zip(prompt_ids, response_ids)), lengths, L)
+    # every token read into one flat array (numpy's fromiter, faster than nested lists), then
+    # scattered into the padded rows in one step
+    ids = np.full((len(lengths), L), pad_id, dtype=np.int64)
+    tokens = itertools.chain.from_iterable(itertools.chain(p, r) for p, r in zip(prompt_ids, response_ids))
+    ids[np.arange(L) < lengths[:, None]] = np.fromiter(tokens, dtype=np.int64, count=int(lengths.sum()))
     start = np.array([len(p) - 1 for p in prompt_ids])[:, None]       # predicts the first response token
     end = start + np.array([len(r) for r in response_ids])[:, None]
     t = np.arange(L - 1)
     mask = (t >= start) & (t < end)
-    return upload(ids, device), upload(mask, device, torch.bool)
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+
+
+def encode_problems(tokenizer, problems: Sequence, context_length: int, what: str) -> tuple[list, list[list[int]]]:
+    """The problems whose chat-formatted prompt leaves room for an answer in ``context_length``
+    tokens, and their token ids; the others are left out with a warning (all of them: ``ValueError``)."""
+    if not problems:
+        raise ValueError(f"{what} is empty: give at least one problem")
+    kept = [(p, ids) for p in problems if len(ids := tokenizer.encode(format_prompt(p.prompt))) < context_length]
+    if not kept:
+        raise ValueError(f"every prompt of {what} is at least context_length={context_length} tokens "
+                         "long, leaving no room for an answer: shorten the prompts or use a model with "
+                         "a longer context")
+    if len(kept) < len(problems):
+        warnings.warn(f"{len(problems) - len(kept)} of {len(problems)} prompts in {what} leave no room for an "
+                      f"answer in context_length={context_length} tokens; they are left out", stacklevel=4)
+    return [p for p, _ in kept], [ids for _, ids in kept]
+
+
+def loss_weights(rollout: Rollout, batches, aggregation: str) -> list[float]:
+    """The share of the whole batch's loss each micro-batch carries, so that the gradients accumulated
+    over the micro-batches are those of one pass over the batch: its share of sequences (sequence
+    mean, Dr. GRPO's constant) or of response tokens (token mean)."""
+    lengths = [len(r) for r in rollout.response_ids]
+    if aggregation == "token_mean":
+        counts = [sum(lengths[i] for i in rows) for rows, _, _ in batches]
+    elif aggregation == "sequence_mean":   # the mean runs over responses that have tokens
+        counts = [sum(lengths[i] > 0 for i in rows) for rows, _, _ in batches]
+    else:                                  # "constant": over every response
+        counts = [len(rows) for rows, _, _ in batches]
+    return [n / max(sum(counts), 1) for n in counts]
 
 
 class GRPOTrainer:
@@ -275,7 +279,8 @@ class GRPOTrainer:
     response); ``reference``: the frozen model of the KL penalty (default: a copy of ``policy`` when
     ``config.kl_coef > 0``; none otherwise: no copy is kept and no reference forward runs. Pass one
     with ``kl_coef=0`` to record the KL without penalising it); ``eval_problems``: the held-out set
-    of ``eval_every``.
+    of ``eval_every``. The engine comes from :meth:`make_engine` and the optimizer from
+    :meth:`make_optimizer`, which a subclass may replace.
     """
 
     def __init__(self, policy, tokenizer, train_problems: Sequence, reward_fn: Callable = check_answer,
@@ -284,19 +289,10 @@ class GRPOTrainer:
         self.policy, self.tokenizer, self.reward_fn = policy, tokenizer, reward_fn
         self.device = next(policy.parameters()).device
         self.autocast = resolve_autocast(config.autocast, self.device)
-        if config.fused_update:   # before the reference is copied from it, so that the copy is fused too
-            from lmfs.kernels.fused import fuse_model
-            # the log-probs need the logits, so no chunked loss; norms: the Triton RMSNorm in the update;
-            # embedding: a lookup whose backward suits a small vocabulary's many repeated ids. Compiled
-            # (compile_update), no Triton kernels: torch.compile writes its own for the norms, RoPE and SwiGLU.
-            fuse_model(policy, chunked_loss=False, norms=not config.compile_update, embedding=True,
-                       triton=not config.compile_update)
-        # compile_update: the policy's log-probs in the update through torch.compile. Dynamic shapes, since
-        # the batch's length is its longest answer's and changes from step to step.
-        self._update_logprobs = (torch.compile(response_logprobs, dynamic=True) if config.compile_update
-                                 else response_logprobs)
         self.context_length = policy.config.context_length
-        self.problems, self.prompts = self._encode(train_problems, "train_problems")
+        self.pad_id = padding_id(tokenizer)
+        self.stop_ids = tuple(sorted(set(getattr(tokenizer, "special_ids", {}).values())))
+        self.problems, self.prompts = encode_problems(tokenizer, train_problems, self.context_length, "train_problems")
         self.eval_problems = list(eval_problems) if eval_problems is not None else None
         if reference is None and config.kl_coef > 0:
             reference = copy.deepcopy(policy)
@@ -304,89 +300,41 @@ class GRPOTrainer:
             reference.eval().requires_grad_(False)
         self.reference = reference
         policy.eval()   # no dropout: the log-probs of the update must be those the sampler used
-        # The update rule is lmfs.optim.AdamW's. On a GPU the fused update steps torch's fused AdamW,
-        # the same rule (tests/test_optim.py compares the two) in a few kernels per step instead of
-        # six per parameter, and clips with torch's foreach norm: an H200 took 12.5 ms for the
-        # benchmark model's clip and step written out, 1.2 ms with foreach clipping and the fused
-        # AdamW (0.41 ms of it the step; torch's foreach AdamW took 1.5-2.2 ms). The fused kernel
-        # leaves the parameters' version counters alone, and the engine's 16-bit weight copies
-        # follow those counters, so _optimizer_step bumps them. Checkpoints of either optimizer
-        # resume with the other (lmfs.optim.adam_state_for).
-        self._torch_optimizer = config.fused_update and self.device.type == "cuda"
-        hyper = dict(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-        self.optimizer = (torch.optim.AdamW(policy.parameters(), **hyper, fused=True) if self._torch_optimizer
-                          else AdamW(policy.parameters(), **hyper))
-        self.stop_ids = tuple(sorted(set(getattr(tokenizer, "special_ids", {}).values())))
-        # The engine holds `policy` itself, not a copy: its forward passes read the parameters' own
-        # storage. On a GPU the decode step is captured in CUDA graphs, whose replays read from the
-        # addresses seen at capture; the updates therefore write *into* the same tensors: lmfs's
-        # AdamW (p.addcdiv_, p.mul_) and load_state_dict (copy_) do, and the graphs stay valid.
-        # (Replacing a parameter tensor would make the engine notice the new addresses and capture
-        # its graphs again.) The engine computes under the update's autocast; its fused decode
-        # forward keeps 16-bit copies of the projection weights, which the engine brings up to date
-        # from the parameters updated in place at the start of each rollout (lmfs.kernels.decode).
-        longest = max(len(p) for p in self.prompts)
-        per_seq = min(self.context_length, longest + config.max_new_tokens) + 16
-        # token ids in and out: the engine needs no tokenizer (with one, it would decode every
-        # response's text, and response_text decodes it again without the closing token)
-        self.llm = LLM(policy, None, max_batch_size=config.max_batch_size,
-                       kv_cache_tokens=config.max_batch_size * per_seq, progress=False, autocast=self.autocast)
-        self.step = 0
+        self.optimizer = self.make_optimizer(policy)
+        self.llm = self.make_engine(policy)
+        self.timer = PhaseTimer(PHASES, self.device)
+        self.step = 0                          # steps done
         self.history = GRPOHistory()
         self.rollout_stats: dict = {}          # the engine's statistics of the last rollout
         self.last_rollout: Rollout | None = None
-        self._next_rollout: tuple[int, Callable[[], Rollout]] | None = None   # (its step, finish) if started
-        self._resume()
+        if self.checkpoint_path is not None and self.checkpoint_path.exists():
+            self.step, self.history = resume(self.checkpoint_path, policy, self.optimizer, config)
 
-    # ------------------------------------------------------------------------------------------
-    # Set-up and checkpoints
+    def make_optimizer(self, policy) -> torch.optim.Optimizer:
+        """:class:`lmfs.optim.AdamW` over the policy's parameters. It updates them in place
+        (``p.addcdiv_``), so the engine, which holds the policy itself, samples from the new weights."""
+        c = self.config
+        return AdamW(policy.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
 
-    def _encode(self, problems: Sequence, what: str) -> tuple[list, list[list[int]]]:
-        """The problems whose chat-formatted prompt leaves room in the context, and their token ids."""
-        if not problems:
-            raise ValueError(f"{what} is empty: give at least one problem")
-        kept, ids = [], []
-        for p in problems:
-            tokens = self.tokenizer.encode(format_prompt(p.prompt))
-            if len(tokens) < self.context_length:
-                kept.append(p)
-                ids.append(tokens)
-        dropped = len(problems) - len(kept)
-        if not kept:
-            raise ValueError(f"every prompt of {what} is at least context_length={self.context_length} tokens "
-                             "long, leaving no room for an answer: shorten the prompts or use a model with "
-                             "a longer context")
-        if dropped:
-            warnings.warn(f"{dropped} of {len(problems)} prompts in {what} leave no room for an answer in "
-                          f"context_length={self.context_length} tokens; they are left out", stacklevel=3)
-        return kept, ids
+    def make_engine(self, policy) -> LLM:
+        """The engine of the rollouts and evaluations: :class:`lmfs.inference.LLM` over ``policy``
+        itself (no copy), computing under the update's autocast, with KV blocks for
+        ``max_batch_size`` sequences of the longest prompt and answer. Token ids in and out: the
+        engine needs no tokenizer (:meth:`response_text` decodes)."""
+        return LLM(policy, None, **self.engine_options())
+
+    def engine_options(self) -> dict:
+        """The engine's sizes: rows for ``max_batch_size`` sequences, KV blocks for that many of the
+        longest prompt and answer, the update's autocast, no progress bar."""
+        longest = max(len(p) for p in self.prompts)
+        per_seq = min(self.context_length, longest + self.config.max_new_tokens) + 16
+        return dict(max_batch_size=self.config.max_batch_size, kv_cache_tokens=self.config.max_batch_size * per_seq,
+                    progress=False, autocast=self.autocast)
 
     @property
     def checkpoint_path(self) -> Path | None:
+        """``checkpoint_dir/grpo.pt``, or None without a ``checkpoint_dir``."""
         return Path(self.config.checkpoint_dir) / "grpo.pt" if self.config.checkpoint_dir else None
-
-    def _resume(self) -> None:
-        path = self.checkpoint_path
-        if path is None or not path.exists():
-            return
-        ckpt = load_checkpoint(path, self.policy, self.optimizer)
-        stored, current = ckpt["train_config"], asdict(self.config)
-        # settings that do not change what is trained; settings of older versions, and settings a
-        # checkpoint predates, are not compared
-        ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir", "fused_update",
-                   "packed_update", "overlap_steps", "compile_update"}
-        differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
-                     if k not in ignored and k in stored and stored[k] != current[k] and not (
-                         isinstance(current[k], tuple) and list(current[k]) == stored.get(k))]
-        if differing:
-            raise ValueError(f"{path} was written by a run with another GRPOConfig ("
-                             + "; ".join(differing) + "): use the same config, or another checkpoint_dir")
-        self.step = ckpt["step"]
-        known = {f.name for f in fields(GRPOHistory)}     # older versions also timed an "old_logprob" phase
-        self.history = GRPOHistory(**{k: v for k, v in ckpt["extra"]["history"].items() if k in known})
-        restore_rng_state(ckpt["rng"])
-        if self.config.progress:
-            print(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
         """Write ``grpo.pt`` to ``config.checkpoint_dir`` (atomically: a crash keeps the previous one)."""
@@ -395,9 +343,6 @@ class GRPOTrainer:
         return save_checkpoint(self.checkpoint_path, self.policy, self.optimizer, self.step, self.config,
                                extra={"history": asdict(self.history)})
 
-    # ------------------------------------------------------------------------------------------
-    # The phases of a step
-
     def sample_problems(self, step: int) -> list[int]:
         """Indices of the problems of ``step``: drawn with a generator seeded by ``(seed, step)``, so a
         resumed run asks the same questions as one that never stopped."""
@@ -405,7 +350,8 @@ class GRPOTrainer:
         n = self.config.prompts_per_step
         return rng.choice(len(self.problems), size=n, replace=n > len(self.problems)).tolist()
 
-    def _sampling(self, max_new_tokens: int | None = None, temperature: float | None = None) -> SamplingParams:
+    def sampling(self, max_new_tokens: int | None = None, temperature: float | None = None) -> SamplingParams:
+        """The rollouts' sampling: the training temperature, stopping at a special token, with log-probs."""
         c = self.config
         return SamplingParams(max_tokens=max_new_tokens or c.max_new_tokens,
                               temperature=c.temperature if temperature is None else temperature,
@@ -418,50 +364,31 @@ class GRPOTrainer:
             ids = ids[:-1]
         return self.tokenizer.decode(ids)
 
-    def rollout(self, indices: Sequence[int], texts: bool = True) -> Rollout:
-        """Answer each problem of ``indices`` ``group_size`` times through the engine (phase 1).
-        A request the engine refuses gets an empty response (no tokens, reward 0).
-
-        Each answer's text is decoded as it finishes, while the engine computes the others on the
-        device. With ``texts=False``, the answers handed over while no decode step is in flight (the
-        last ones, when nothing is left to compute) keep ``None`` for :meth:`score` to decode: the
-        training step scores while the device runs the update's first forward (:meth:`update`), so
-        that their decoding waits for nothing."""
-        return self.start_rollout(indices, texts)()
+    def group_prompts(self, indices: Sequence[int]) -> list[list[int]]:
+        """The prompts of ``indices``, each ``group_size`` times in a row (a group)."""
+        return [self.prompts[i] for i in indices for _ in range(self.config.group_size)]
 
     @torch.no_grad()
-    def start_rollout(self, indices: Sequence[int], texts: bool = True) -> Callable[[], Rollout]:
-        """:meth:`rollout` in two halves (:meth:`lmfs.inference.LLM.start`): admits the requests and
-        launches their prefill without waiting for the device, and returns the function that
-        finishes the rollout and returns it (its ``generation`` attribute is the engine's
-        :class:`~lmfs.inference.Generation`, for closing a rollout that will not be finished)."""
-        G = self.config.group_size
-        prompts = [self.prompts[i] for i in indices for _ in range(G)]
-        decoded: list[str | None] = [None] * len(prompts)
+    def rollout(self, indices: Sequence[int]) -> Rollout:
+        """Phase 1: answer each problem of ``indices`` ``group_size`` times through the engine."""
+        outputs = self.llm.generate(self.group_prompts(indices), self.sampling(), progress=False)
+        return self.rollout_of(indices, outputs)
 
-        def decode(out):
-            if out.finish_reason == "error":
-                decoded[out.index] = ""
-            elif texts or self.llm.step_in_flight:
-                decoded[out.index] = self.response_text(out.token_ids)
-
-        generation = self.llm.start(prompts, self._sampling(), progress=False, on_finish=decode)
-
-        @torch.no_grad()
-        def finish() -> Rollout:
-            outputs = generation.result()
-            self.rollout_stats = dict(self.llm.stats)
-            return Rollout(problems=[self.problems[i] for i in indices for _ in range(G)], prompt_ids=prompts,
-                           response_ids=[o.token_ids if o.finish_reason != "error" else [] for o in outputs],
-                           texts=decoded, sampler_logprobs=[o.logprobs or [] for o in outputs],
-                           rewards=torch.zeros(len(prompts)), correct=torch.zeros(len(prompts)))
-
-        finish.generation = generation
-        return finish
+    def rollout_of(self, indices: Sequence[int], outputs, texts: bool = True) -> Rollout:
+        """The :class:`Rollout` of the engine's ``outputs`` for ``indices``; their texts decoded, or
+        with ``texts=False`` left for :meth:`score`. A request the engine refused (an error) gets an
+        empty response: no tokens, reward 0."""
+        G, ok = self.config.group_size, [o.finish_reason != "error" for o in outputs]
+        self.rollout_stats = dict(self.llm.stats)
+        responses = [o.token_ids if fine else [] for o, fine in zip(outputs, ok)]
+        return Rollout(problems=[self.problems[i] for i in indices for _ in range(G)],
+                       prompt_ids=self.group_prompts(indices), response_ids=responses,
+                       texts=[self.response_text(r) if texts else None for r in responses],
+                       sampler_logprobs=[o.logprobs or [] for o in outputs])
 
     def score(self, rollout: Rollout) -> Rollout:
-        """Rewards, the true checker's verdicts and the group-normalised advantages (phase 2), and the
-        texts the rollout left undecoded."""
+        """Phase 2: rewards, the true checker's verdicts and the group-normalised advantages (and the
+        texts the rollout left undecoded)."""
         rewards, correct = [], []
         for i, (problem, text, ids) in enumerate(zip(rollout.problems, rollout.texts, rollout.response_ids)):
             if text is None:
@@ -481,111 +408,69 @@ class GRPOTrainer:
 
     def micro_batches(self, rollout: Rollout) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """``(rows, input_ids, mask)`` per micro-batch of at most ``micro_batch_size`` sequences, ``rows``
-        the indices of its sequences in ``rollout``. The sequences are sorted by length, longest first,
-        so each micro-batch, padded to its own longest sequence, carries little padding (and the first
-        one needs the most memory, so a batch that does not fit fails at once)."""
+        the indices of its sequences in ``rollout`` (:func:`batch_tensors`). The sequences are sorted
+        by length, longest first, so each micro-batch, padded to its own longest sequence, carries
+        little padding (and the first one needs the most memory, so a batch that does not fit fails
+        at once). Only the tokens are needed: the batches can be built before the rollout is scored."""
         m = self.config.micro_batch_size
         lengths = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        out = []
-        for start in range(0, len(order), m):
-            rows = order[start:start + m]
-            ids, mask = batch_tensors([rollout.prompt_ids[i] for i in rows],
-                                      [rollout.response_ids[i] for i in rows], self.device)
-            out.append((rows, ids, mask))
-        return out
+        return [(rows, *batch_tensors([rollout.prompt_ids[i] for i in rows], [rollout.response_ids[i] for i in rows],
+                                      self.device, pad_id=self.pad_id))
+                for rows in (order[s:s + m] for s in range(0, len(order), m))]
 
-    def _autocast(self):
+    def autocast_context(self):
+        """The update's autocast (bfloat16 on CUDA by default), or nothing when it is off."""
         return torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+
+    def logprobs(self, model, rollout: Rollout | None, rows, ids, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logp, entropy)`` ``(b, L-1)`` of one micro-batch under ``model``, in the update's autocast
+        (:func:`~lmfs.alignment.sft.response_logprobs`); with gradient where it is enabled."""
+        with self.autocast_context():
+            return response_logprobs(model, ids, mask)
 
     @torch.no_grad()
     def logprobs_of(self, model, batches, rollout: Rollout | None = None) -> list[torch.Tensor]:
-        """``model``'s per-token log-probs ``(b, L-1)`` of every micro-batch (phase 3); packed as the
-        update is (``packed_update``) when given the ``rollout`` the batches came from."""
-        out = []
-        for rows, ids, mask in batches:
-            with self._autocast():
-                out.append(self._response_logprobs(model, rollout, rows, ids, mask)[0].float())
-        return out
+        """``model``'s per-token log-probs ``(b, L-1)`` of every micro-batch, without gradient."""
+        return [self.logprobs(model, rollout, rows, ids, mask)[0].float() for rows, ids, mask in batches]
 
-    def _response_logprobs(self, model, rollout: Rollout | None, rows, ids, mask):
-        """:func:`~lmfs.alignment.sft.response_logprobs` of one micro-batch, or with ``packed_update``
-        (and the ``rollout``, for the sequences' lengths) the packed computation of the same, where
-        ``model``'s attention can keep packed sequences apart (a reference passed in may be plain)."""
-        if self.config.packed_update and rollout is not None:
-            from lmfs.kernels.fused import keeps_sequences_apart
+    def reference_logprobs(self, rollout: Rollout, batches) -> list[torch.Tensor] | None:
+        """Phase 3: the reference model's log-probs of every micro-batch; None without a reference."""
+        return None if self.reference is None else self.logprobs_of(self.reference, batches, rollout)
 
-            if keeps_sequences_apart(model):
-                lengths = [len(rollout.prompt_ids[i]) + len(rollout.response_ids[i]) for i in rows]
-                return packed_response_logprobs(model, ids, mask, lengths)
-        if model is self.policy and torch.is_grad_enabled() and self._update_logprobs is not response_logprobs:
-            try:
-                return self._update_logprobs(model, ids, mask)
-            except torch._dynamo.exc.BackendCompilerFailed as err:   # (Inductor's errors included)
-                warnings.warn(f"compile_update: torch.compile failed ({error_line(err)}); the update runs "
-                              "without it from here", RuntimeWarning, stacklevel=2)
-                self._update_logprobs = response_logprobs
-        return response_logprobs(model, ids, mask)
+    def to_device(self, values: torch.Tensor) -> torch.Tensor:
+        """A host tensor of the rollout (advantages, rewards) on the training device."""
+        return values.to(self.device, non_blocking=True)
 
-    def _weights(self, rollout: Rollout, batches) -> list[float]:
-        """The share of the whole batch's loss each micro-batch carries, so the accumulated gradient
-        equals that of one pass over the batch: its share of sequences (sequence means, Dr. GRPO's
-        constant) or of response tokens (token mean). Counted from the token lists on the host."""
-        how, lengths = self.config.aggregation, [len(r) for r in rollout.response_ids]
-        if how == "token_mean":
-            counts = [sum(lengths[i] for i in rows) for rows, _, _ in batches]
-        elif how == "sequence_mean":   # the mean runs over responses that have tokens
-            counts = [sum(lengths[i] > 0 for i in rows) for rows, _, _ in batches]
-        else:                          # "constant": over every response
-            counts = [len(rows) for rows, _, _ in batches]
-        return [n / max(sum(counts), 1) for n in counts]
-
-    def update(self, rollout: Rollout, batches, ref_logps=None, then: Callable[[], None] | None = None) -> dict:
-        """``epochs_per_batch`` optimizer steps over the rollout batch (phase 4). Returns the last
+    def update(self, rollout: Rollout, batches, ref_logps: list[torch.Tensor] | None = None) -> dict:
+        """Phase 4: ``epochs_per_batch`` optimizer steps over the scored rollout batch. Returns the last
         epoch's loss and clip fraction, and the first epoch's entropy and KL to the reference (per
         response token, measured before any update: the policy that sampled the batch).
 
-        ``then``, if given, is called once the last optimizer step is queued, before the host waits
-        for the device (:meth:`train_step` starts the next rollout there). With torch's fused AdamW
-        (``fused_update`` on CUDA) the host does not wait for the loss before the step: the step is
-        skipped on the device when the loss is not finite (the optimizer's ``found_inf``), and the
-        loss is read afterwards, so the weights never take a step from a non-finite loss either way.
-
         The old log-probs come from the first epoch's own forward passes, detached: the optimizer
-        steps only after the whole epoch, so every micro-batch of it sees the sampling policy.
-
-        A rollout not scored yet (no advantages) is scored (:meth:`score`) once the first forward is
-        queued: the host computes the rewards while the device computes that forward, which needs
-        only the tokens. ``score_seconds`` in the result is the host's time in it (0 if it was scored)."""
+        steps only after the whole epoch, so every micro-batch of it sees the sampling policy. Each
+        micro-batch's loss is weighted by its share of the batch (:func:`loss_weights`), so the
+        accumulated gradient is that of one pass over the whole batch."""
         c = self.config
-        weights = self._weights(rollout, batches)
-        tokens = max(sum(len(r) for r in rollout.response_ids), 1)
-        advantages = raw_rewards = None
-        score_seconds = 0.0
+        weights, tokens = loss_weights(rollout, batches, c.aggregation), max(sum(map(len, rollout.response_ids)), 1)
         # Running sums stay on the device: reading each micro-batch's numbers (.item()) would make the
-        # host wait for the GPU every time instead of queueing the next micro-batch's work.
+        # host wait for the device every time instead of queueing the next micro-batch's work.
         zero = torch.zeros((), device=self.device)
-        old_logps, entropy_sum, kl_sum = [], zero, zero
+        old_logps, advantages, rewards, entropy_sum, kl_sum = [], [], [], zero, zero
         for epoch in range(c.epochs_per_batch):
             loss_sum, clipped = zero, zero
             for j, ((rows, ids, mask), w) in enumerate(zip(batches, weights)):
-                with self._autocast():
-                    logp, entropy = self._response_logprobs(self.policy, rollout, rows, ids, mask)
+                logp, entropy = self.logprobs(self.policy, rollout, rows, ids, mask)
                 logp = logp.float()
-                if advantages is None:        # the forward is queued: score while the device computes
-                    if rollout.advantages is None:
-                        start = time.perf_counter()
-                        self.score(rollout)
-                        score_seconds = time.perf_counter() - start
-                    # (uploaded without waiting for the forward, as a plain .to(device) would)
-                    advantages, raw_rewards = ([upload(values[rows].numpy(), self.device, torch.float32)
-                                                for rows, _, _ in batches]
-                                               for values in (rollout.advantages, rollout.rewards))
                 if epoch == 0:
+                    if rollout.advantages is None:
+                        raise ValueError("the rollout has no advantages: score it (GRPOTrainer.score) first")
                     old_logps.append(logp.detach())
+                    advantages.append(self.to_device(rollout.advantages[rows]))
+                    rewards.append(self.to_device(rollout.rewards[rows]))
                     entropy_sum = entropy_sum + (entropy.detach().float() * mask).sum()
                 per_token = pg_loss(logp, advantages[j], kind=c.loss, old_logp=old_logps[j], clip=c.clip,
-                                    raw_rewards=raw_rewards[j])
+                                    raw_rewards=rewards[j])
                 if ref_logps is not None:
                     kl = kl_estimate(logp, ref_logps[j], kind=c.kl_estimator)
                     if c.kl_coef > 0:
@@ -596,92 +481,51 @@ class GRPOTrainer:
                 (loss * w).backward()
                 loss_sum = loss_sum + loss.detach() * w
                 clipped = clipped + clip_fraction(logp, old_logps[j], advantages[j], mask, c.clip) * mask.sum()
-            if self._torch_optimizer:        # the step is skipped on the device if the loss is not finite
-                self.optimizer.found_inf = (~torch.isfinite(loss_sum)).float()
-            else:                            # one wait per epoch: a non-finite loss must not reach the weights
-                loss_value = self._checked_loss(loss_sum)
-            self._optimizer_step()
-            if then is not None and epoch == c.epochs_per_batch - 1:
-                then()
-            if self._torch_optimizer:
-                loss_value = self._checked_loss(loss_sum)
+            loss_value = self.optimizer_step(loss_sum)
         return dict(loss=loss_value, clip_fraction=clipped.item() / tokens, entropy=entropy_sum.item() / tokens,
-                    kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"),
-                    score_seconds=score_seconds)
+                    kl=kl_sum.item() / tokens if ref_logps is not None else float("nan"))
 
-    def _checked_loss(self, loss: torch.Tensor) -> float:
-        """The loss's value (a wait for the device); a non-finite one raises."""
+    def optimizer_step(self, loss: torch.Tensor) -> float:
+        """Read the epoch's loss (a wait for the device; a non-finite one raises before it reaches the
+        weights), clip the gradient, step the optimizer and clear the gradient; return the loss."""
+        value = self.checked_loss(loss)
+        if self.config.grad_clip:
+            clip_grad_norm([p for p in self.policy.parameters() if p.grad is not None], self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return value
+
+    def checked_loss(self, loss: torch.Tensor) -> float:
+        """The loss's value (a wait for the device); a non-finite one raises ``FloatingPointError``."""
         value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"the GRPO loss is {value} at step {self.step + 1}: training diverged. "
                                      f"Lower the learning rate (lr={self.config.lr:g}) or keep grad_clip on")
         return value
 
-    def _optimizer_step(self) -> None:
-        """Clip the gradient, step the optimizer (in place: the engine reads the new weights, see
-        ``__init__``) and clear the gradient. Torch's fused AdamW writes the parameters without
-        bumping their version counters, so they are bumped here: the engine copies a parameter
-        into its 16-bit decode weights only when its counter moved."""
-        params, clip = [p for p in self.policy.parameters() if p.grad is not None], self.config.grad_clip
-        if clip and self._torch_optimizer:
-            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        elif clip:
-            clip_grad_norm(params, clip)
-        self.optimizer.step()
-        if self._torch_optimizer:
-            torch.autograd.graph.increment_version(params)
-        self.optimizer.zero_grad(set_to_none=True)
+    def train_step(self) -> dict:
+        """One GRPO step: its four phases in order, each timed; returns its record (see
+        :class:`GRPOHistory`). The counter ``step`` moves on in :meth:`train`."""
+        self.timer.reset()
+        with self.timer.phase("rollout"):
+            rollout = self.rollout(self.sample_problems(self.step))
+        with self.timer.phase("reward"):
+            self.score(rollout)
+            batches = self.micro_batches(rollout)
+        with self.timer.phase("reference"):
+            ref_logps = self.reference_logprobs(rollout, batches)
+        with self.timer.phase("update"):
+            stats = self.update(rollout, batches, ref_logps)
+        return self.record(rollout, stats)
 
-    def train_step(self, start_next: bool = False) -> dict:
-        """One GRPO step (rollout, reward, reference, update); returns its record. With
-        ``start_next``, the next step's rollout is started (:meth:`start_rollout`) as soon as this
-        step's optimizer step is queued, so that the host admits and prefills its requests while the
-        device finishes the update; the next call finishes that rollout. Its start-up is then timed
-        in this step's update phase."""
-        c, dev, seconds = self.config, self.device, {}
-
-        def phase(name, fn):
-            synchronize(dev)
-            start = time.perf_counter()
-            out = fn()
-            synchronize(dev)
-            seconds[name] = time.perf_counter() - start
-            return out
-
-        started, self._next_rollout = self._next_rollout, None
-        if started is not None and started[0] != self.step:   # (not this step's: a step was skipped)
-            started[1].generation.close()
-            started = None
-        if started:
-            finish = started[1]
-        else:
-            finish = functools.partial(self.rollout, self.sample_problems(self.step), texts=False)
-        rollout = phase("rollout", finish)
-        # The batches need only the tokens. The rollout is scored inside the update, on the host while
-        # the device runs the first forward (update): the reward phase is the host's time in both.
-        start = time.perf_counter()
-        batches = self.micro_batches(rollout)
-        seconds["reward"] = time.perf_counter() - start
-        ref = phase("reference", lambda: self.logprobs_of(self.reference, batches, rollout) if self.reference else None)
-
-        def next_rollout():
-            self._next_rollout = (self.step + 1, self.start_rollout(self.sample_problems(self.step + 1), texts=False))
-
-        try:
-            then = next_rollout if start_next else None
-            stats = phase("update", lambda: self.update(rollout, batches, ref, then=then))
-        except BaseException:
-            self.close()
-            raise
-        scoring = stats.pop("score_seconds")
-        seconds["reward"] += scoring
-        seconds["update"] -= scoring
-        grouped = rollout.rewards.view(-1, c.group_size)
+    def record(self, rollout: Rollout, stats: dict) -> dict:
+        """A step's record: the rollout's numbers, the update's, and the phases' seconds."""
         self.last_rollout = rollout
+        grouped = rollout.rewards.view(-1, self.config.group_size)
         return dict(step=self.step + 1, reward=rollout.rewards.mean().item(), accuracy=rollout.correct.mean().item(),
                     **stats, response_length=float(np.mean([len(r) for r in rollout.response_ids])),
                     informative_groups=(grouped.max(1).values > grouped.min(1).values).float().mean().item(),
-                    **{f"{name}_s": seconds[name] for name in PHASES})
+                    **{f"{name}_s": s for name, s in self.timer.reset().items()})
 
     def train(self, steps: int) -> GRPOHistory:
         """Run until ``steps`` steps are done in all (a resumed trainer continues from its step);
@@ -689,12 +533,7 @@ class GRPOTrainer:
         c = self.config
         bar = tqdm(range(self.step, steps), initial=self.step, total=steps, desc="GRPO", disable=not c.progress)
         for _ in bar:
-            # the next rollout may start during this step's update if nothing else uses the engine or
-            # the random state in between (an evaluation, a checkpoint: it holds the RNG's state)
-            after = self.step + 1
-            start_next = (c.overlap_steps and after < steps and not (c.eval_every and after % c.eval_every == 0)
-                          and not (self.checkpoint_path and after % c.checkpoint_every == 0))
-            record = self.train_step(start_next)
+            record = self.train_step()
             self.step += 1
             for name, value in record.items():
                 getattr(self.history, name).append(value)
@@ -707,40 +546,47 @@ class GRPOTrainer:
             if self.checkpoint_path and (self.step % c.checkpoint_every == 0 or self.step == steps):
                 self.save()
         bar.close()
-        self.close()    # (nothing is left started: the last step starts no rollout)
         return self.history
-
-    def close(self) -> None:
-        """Abandon a rollout started for a step that will not run (its KV blocks are freed)."""
-        if self._next_rollout is not None:
-            self._next_rollout[1].generation.close()
-            self._next_rollout = None
-
-    # ------------------------------------------------------------------------------------------
-    # Evaluation
 
     @torch.no_grad()
     def evaluate(self, problems: Sequence, k: Sequence[int] = (1, 4), samples: int | None = None,
                  temperature: float | None = None, max_new_tokens: int | None = None, seed: int = 0) -> Evaluation:
         """pass@k of the current policy on ``problems``: ``samples`` answers each (default ``max(k)``)
-        sampled at ``temperature`` (default the training one), judged by
-        :func:`~lmfs.alignment.tasks.check_answer`; the unbiased estimator of :func:`lmfs.eval.pass_at_k`
-        per problem and a bootstrap interval over problems. The sampling is seeded with ``seed`` and
-        leaves the training run's random streams as they were."""
-        k = tuple(k)
-        samples = samples or max(k)
+        at ``temperature`` (default the training one), judged by :func:`~lmfs.alignment.tasks.check_answer`;
+        the unbiased estimator of :func:`lmfs.eval.pass_at_k` per problem and a bootstrap interval
+        over problems. Seeded with ``seed``; the training run's random streams are left as they were."""
+        k, samples = tuple(k), samples or max(k)
         if max(k) > samples:
             raise ValueError(f"pass@{max(k)} needs at least {max(k)} samples per problem, got samples={samples}")
-        problems, prompts = self._encode(problems, "problems")
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        problems, prompts = encode_problems(self.tokenizer, problems, self.context_length, "problems")
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)
             outputs = self.llm.generate([p for p in prompts for _ in range(samples)],
-                                        self._sampling(max_new_tokens, temperature), progress=False)
-        correct = []
-        for i, problem in enumerate(problems):
-            outs = outputs[i * samples:(i + 1) * samples]
-            correct.append(int(sum(check_answer(problem, self.response_text(o.token_ids))
-                                   for o in outs if o.finish_reason != "error")))
+                                        self.sampling(max_new_tokens, temperature), progress=False)
+        correct = [int(sum(check_answer(problem, self.response_text(o.token_ids))
+                           for o in outputs[i * samples:(i + 1) * samples] if o.finish_reason != "error"))
+                   for i, problem in enumerate(problems)]
         per_problem = {j: [pass_at_k(samples, c, j) for c in correct] for j in k}
         return Evaluation(samples, correct, {j: bootstrap_ci(v) for j, v in per_problem.items()}, per_problem)
+
+
+def resume(path: Path, policy, optimizer, config: GRPOConfig) -> tuple[int, GRPOHistory]:
+    """Load a GRPO checkpoint into ``policy`` and ``optimizer`` and restore the random generators;
+    return its step and history. A checkpoint of a run with another :class:`GRPOConfig` is refused
+    (``ValueError`` listing the differences); settings that do not change what is trained are not
+    compared, nor settings the checkpoint's version did not have."""
+    ckpt = load_checkpoint(path, policy, optimizer)
+    stored, current = ckpt["train_config"], asdict(config)
+    ignored = {"progress", "eval_every", "eval_samples", "checkpoint_every", "checkpoint_dir"}
+    differing = [f"{k}: checkpoint {stored.get(k)!r} vs now {current[k]!r}" for k in current
+                 if k not in ignored and k in stored and stored[k] != current[k]
+                 and not (isinstance(current[k], tuple) and list(current[k]) == stored[k])]
+    if differing:
+        raise ValueError(f"{path} was written by a run with another GRPOConfig (" + "; ".join(differing)
+                         + "): use the same config, or another checkpoint_dir")
+    known = {f.name for f in fields(GRPOHistory)}
+    history = GRPOHistory(**{k: v for k, v in ckpt["extra"]["history"].items() if k in known})
+    restore_rng_state(ckpt["rng"])
+    if config.progress:
+        print(f"resumed from {path} at step {ckpt['step']}")
+    return ckpt["step"], history

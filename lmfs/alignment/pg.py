@@ -84,7 +84,8 @@ def pg_loss(logp: torch.Tensor, advantages: torch.Tensor, kind: str = "grpo_clip
       ``min`` stops the gradient once the ratio has moved past ``1 ± clip`` in the direction the
       advantage favours, which keeps the update near the sampling policy.
 
-    ``old_logp`` ``(B, T)`` is treated as a constant (detached). Mask the result with
+    ``old_logp`` ``(B, T)``, ``advantages``, ``raw_rewards`` and ``baseline`` are treated as constants
+    (detached): the gradient flows through ``logp`` only. Mask the result with
     :func:`aggregate`; padding positions hold meaningless values.
     """
     if kind not in PG_LOSSES:
@@ -95,13 +96,13 @@ def pg_loss(logp: torch.Tensor, advantages: torch.Tensor, kind: str = "grpo_clip
         raise ValueError(f"advantages {tuple(advantages.shape)} and logp {tuple(logp.shape)} disagree on B")
     advantages = advantages.to(logp.dtype).detach()
     if kind == "no_baseline":
-        rewards = advantages if raw_rewards is None else raw_rewards.reshape(len(logp), -1).to(logp.dtype)
+        rewards = advantages if raw_rewards is None else raw_rewards.detach().reshape(len(logp), -1).to(logp.dtype)
         return -rewards * logp
     if kind == "baseline":
         if baseline is not None:
             if raw_rewards is None:
                 raise ValueError("kind='baseline' with a baseline needs raw_rewards (the advantage is R - b)")
-            advantages = (raw_rewards.reshape(len(logp), -1) - baseline).to(logp.dtype)
+            advantages = (raw_rewards.detach().reshape(len(logp), -1) - baseline).to(logp.dtype).detach()
         return -advantages * logp
     if old_logp is None:
         raise ValueError("kind='grpo_clip' needs old_logp: the log-probs of the policy that sampled the "

@@ -24,7 +24,6 @@ import math
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -54,6 +53,16 @@ def end_id(tokenizer) -> int:
         raise ValueError(f"the tokenizer has no {END} token: build it with the special tokens "
                          f"lmfs.alignment.sft.SPECIAL_TOKENS (lmfs.alignment.base.base_model does)")
     return tokenizer.special_ids[END]
+
+
+def padding_id(tokenizer) -> int:
+    """The id that pads batches of token rows: ``<|endoftext|>``, which separates documents. A padded
+    position carries no loss, but a model still reads it, so padding uses a token the model knows as
+    a boundary rather than whatever id 0 happens to be in the vocabulary."""
+    if EOT not in getattr(tokenizer, "special_ids", {}):
+        raise ValueError(f"the tokenizer has no {EOT} token to pad with: build it with the special tokens "
+                         f"lmfs.alignment.sft.SPECIAL_TOKENS (lmfs.alignment.base.base_model does)")
+    return tokenizer.special_ids[EOT]
 
 
 def encode_example(tokenizer, prompt: str, response: str,
@@ -157,60 +166,21 @@ def response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
         raise ValueError(f"mask must be (B, T) like input_ids {tuple(input_ids.shape)} or (B, T-1), "
                          f"got {tuple(mask.shape)}")
     logits = model(input_ids[:, :-1], positions=None if positions is None else positions[..., :-1])[0]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)                    # (B, T-1, V)
-    logp = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)          # (B, T-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)                          # (B, T-1)
+    logp, entropy = token_logprobs(logits, input_ids[:, 1:])
     mask = mask.to(logp.device)
     return logp * mask, entropy * mask
 
 
-def packed_response_logprobs(model, input_ids: torch.Tensor, mask: torch.Tensor,
-                             lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`response_logprobs` of right-padded ``input_ids`` ``(B, T)`` whose rows hold ``lengths``
-    tokens, computed without the padding: the sequences run packed one after another in a single
-    row of ``sum(lengths)`` tokens, each at positions from 0 and attending only to itself
-    (:func:`lmfs.kernels.fused.packed_documents`), and the results are laid back out as ``(B, T-1)``.
-
-    The same numbers as :func:`response_logprobs` up to rounding, with fewer tokens computed when
-    the lengths differ (the GRPO benchmark's batch, padded to its longest answer, is about a sixth padding).
-    ``model`` must be made by :func:`lmfs.kernels.fused.fuse_model` (its attention is what keeps the
-    sequences apart); a plain model is refused (``TypeError``), since it would let each sequence
-    read the ones before it. ``mask`` as for :func:`response_logprobs`.
-    """
-    from lmfs.inference.runner import upload
-    from lmfs.kernels.fused import packed_documents
-
-    B, T = input_ids.shape
-    lengths = [int(n) for n in lengths]
-    if len(lengths) != B or min(lengths, default=0) < 1 or max(lengths) > T:
-        raise ValueError(f"lengths must give 1..{T} tokens for each of the {B} rows, got {lengths[:8]}"
-                         + ("..." if len(lengths) > 8 else ""))
-    if max(lengths) > model.config.context_length:
-        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds context_length={model.config.context_length}")
-    if mask.shape == input_ids.shape:
-        mask = mask[:, 1:]
-    if mask.shape != (B, T - 1):
-        raise ValueError(f"mask must be (B, T) like input_ids {tuple(input_ids.shape)} or (B, T-1), "
-                         f"got {tuple(mask.shape)}")
-    # Where each packed token sits in the padded batch (flat index b·T + t), worked out on the host
-    # from the lengths: a boolean mask would make the device report its count (a host sync).
-    n = np.asarray(lengths)
-    position = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)           # (N,) restarting at 0
-    device = input_ids.device
-    where = upload(np.repeat(np.arange(B) * T, n) + position, device)
-    flat = input_ids.reshape(-1)[where]                                        # (N,) the sequences, in order
-    with packed_documents(model, lengths):
-        # hidden + head, not forward: the row is longer than the context, each sequence in it is not
-        logits = model.head(model.hidden(flat[None], upload(position, device))).squeeze(0)     # (N, V)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, entropy)`` of ``(..., V)`` logits, float32 ``(...)``: the log-probability of each
+    ``targets`` id and the entropy ``-sum_v p(v) log p(v)`` of its distribution. Logits of ``-inf``
+    (a top-k mask, a padded vocabulary) have probability 0 and add 0 to the entropy, not NaN
+    (``0 * log 0`` is taken as its limit, 0), with finite gradients."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    # Token i predicts token i + 1; each sequence's last token "predicts" the next one's first, which
-    # no mask selects.
-    logp_flat = logprobs.gather(-1, flat.roll(-1)[:, None]).squeeze(-1)
-    entropy_flat = -(logprobs.exp() * logprobs).sum(-1)
-    logp, entropy = (logprobs.new_zeros(B * T).index_copy(0, where, x).view(B, T)[:, :-1]
-                     for x in (logp_flat, entropy_flat))
-    mask = mask.to(device)
-    return logp * mask, entropy * mask
+    logp = logprobs.gather(-1, targets[..., None]).squeeze(-1)
+    # exp(-inf) * -inf is NaN; clamped to the lowest float, the product is 0 and its gradient finite
+    entropy = -(logprobs.exp() * logprobs.clamp(min=torch.finfo(logprobs.dtype).min)).sum(-1)
+    return logp, entropy
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -321,7 +291,7 @@ def train_sft(model, examples: Sequence[tuple[str, str]], tokenizer, steps: int,
     """
     context_length = context_length or model.config.context_length
     micro_batch_size = micro_batch_size or batch_size
-    pad = tokenizer.special_ids[EOT]
+    pad = padding_id(tokenizer)
     packed = pack([encode_example(tokenizer, p, r, context_length) for p, r in examples], context_length, pad)
     val = (pack([encode_example(tokenizer, p, r, context_length) for p, r in val_examples], context_length, pad)
            if val_examples else None)

@@ -39,8 +39,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from lmfs.data.corpora import _COLORS, _NAMES, _PLACES, iter_stories
-from lmfs.eval.tasks import _HAD, _WENT  # the story generator's fact patterns (where, what, who)
+from lmfs.data.corpora import COLORS, NAMES, PLACES, PLACE_SENTENCE, TOY_SENTENCE, iter_stories
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "alignment"
 SPLITS = ("train", "test")
@@ -288,15 +287,15 @@ def countdown_response(problem: Problem) -> str:
 def _story_fact_example(rng: random.Random, index: int, story: str) -> tuple[str, str, str]:
     """Reading questions about one story's first paragraph: ``(instruction, right, wrong)``
     responses for where the child went, the colour of the toy and the friend's name."""
-    (name, place), (_, colour, obj, friend) = _WENT.search(story).groups(), _HAD.search(story).groups()
+    (name, place), (_, colour, obj, friend) = PLACE_SENTENCE.search(story).groups(), TOY_SENTENCE.search(story).groups()
     paragraph = story.split("\n\n")[0]
     asks = [
         (f"Where did {name} go?", f"{name} went to {place}.", place,
-         rng.choice([p for p in _PLACES if p != place])),
+         rng.choice([p for p in PLACES if p != place])),
         (f"What colour was the {obj} of {name}?", f"The {obj} was {colour}.", colour,
-         rng.choice([c for c in _COLORS if c != colour])),
+         rng.choice([c for c in COLORS if c != colour])),
         (f"What was the name of the friend of {name}?", f"The friend was called {friend}.", friend,
-         rng.choice([x for x in _NAMES if x not in (friend, name)])),
+         rng.choice([x for x in NAMES if x not in (friend, name)])),
     ]
     question, text, right, wrong = asks[index % 3]
     instruction = f"Read the story and answer the question.\n\n{paragraph}\n\nQuestion: {question}"

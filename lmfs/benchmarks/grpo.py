@@ -2,7 +2,7 @@
 
     python -m lmfs.benchmarks grpo [--json results/h200/grpo.json] [--tiny] [--steps N] [--no-trl]
                                    [--autocast off] [--no-fused-update] [--packed-update]
-                                   [--compile-update] [--profile]
+                                   [--compile-update] [--no-overlap-steps] [--no-sequential] [--profile]
 
 Both trainers run the same task (the held-out-free train split of the course's arithmetic problems,
 in the chat template of :mod:`lmfs.alignment.sft`, rewarded by
@@ -15,11 +15,12 @@ the update: on a GPU one micro-batch of the whole batch, TRL's ``per_device_trai
 same sampling (temperature 1, no filters, stopping at ``<|end|>`` only) and generation limit, no
 KL penalty (so neither runs a reference model), one epoch per batch (so neither needs old
 log-probs), fp32 weights (bf16 autocast on CUDA: lmfs's update and rollouts both compute
-under it, ``--autocast off`` computes lmfs's in fp32; ``--no-fused-update`` trains through the plain
-modules instead of :func:`lmfs.kernels.fused.fuse_model`'s; ``--packed-update`` runs lmfs's update on
-the sequences packed into one row instead of right-padded, ``GRPOConfig.packed_update``;
-``--compile-update`` runs it through ``torch.compile``, ``GRPOConfig.compile_update``, compiled in the
-warm-up; ``--profile``
+under it, ``--autocast off`` computes lmfs's in fp32). lmfs's trainer is the fast path,
+:class:`lmfs.fast.grpo.PipelinedGRPOTrainer`; its :class:`~lmfs.fast.grpo.PipelineConfig` options:
+``--no-fused-update`` trains through the plain modules instead of
+:func:`lmfs.kernels.fused.fuse_model`'s; ``--packed-update`` runs the update on the sequences packed
+into one row instead of right-padded; ``--compile-update`` runs it through ``torch.compile``,
+compiled in the warm-up; ``--profile``
 then runs one more step under the profiler and prints, per part of the step, its host time and the
 GPU's busy time in it, and the longest stretches the GPU sat idle with what the host did then). A random
 model seldom produces its stop token, so most responses run to the limit in both: equal work; the
@@ -46,12 +47,17 @@ grows with the number of micro-batches; 256 sequences of up to 256 tokens fit in
     in the timed steps (they stop the host in whichever phase an allocation triggers them).
     Goal on one H200: ≥ 70%.
 The timed steps run in one ``train`` call, so that each step may start the next one's rollout
-while the device finishes its update (``GRPOConfig.overlap_steps``; ``--no-overlap-steps`` turns it
-off); the host's time in such a start-up is counted in the rollout's phase, not the update's.
+while the device finishes its update (``PipelineConfig.overlap_steps``; ``--no-overlap-steps`` turns
+it off); the trainer's phase timer counts the host's time in such a start-up in the rollout phase.
 
 (b) **Samples per second** (sequences per step / seconds per step, after warm-up steps) of lmfs's
-    :class:`~lmfs.alignment.grpo.GRPOTrainer` and of TRL's ``GRPOTrainer`` (which generates with
-    Hugging Face ``generate``: static batches padded to their longest member). Goal: ≥ 2×.
+    pipelined trainer and of TRL's ``GRPOTrainer`` (which generates with Hugging Face ``generate``:
+    static batches padded to their longest member). Goal: ≥ 2×.
+
+(c) **The sequential step**: samples per second of :class:`~lmfs.alignment.grpo.GRPOTrainer`, the
+    trainer as lecture 17 teaches it (plain modules, lmfs's AdamW, each phase after the one before),
+    on a fresh copy of the same weights, as a ratio of the pipelined trainer's (``--no-sequential``
+    leaves it out). Goal: ≥ 0.5×.
 
 Without a GPU (or with ``--tiny``) a tiny model runs both on the CPU in one run, to exercise the
 code (a test does); those numbers say little about a GPU. When TRL cannot be imported or fails,
@@ -62,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -246,30 +251,30 @@ class OptimizerTimer:
 
 
 class RolloutRecorder:
-    """Sums the engine's statistics of every rollout the trainer finishes, and the host's time in the
-    rollouts started early, during the update of the step before (``GRPOConfig.overlap_steps``):
-    the trainer's phase timer counts that start-up in the update."""
+    """Sums the engine's statistics of every rollout the trainer finishes, and counts the rollouts
+    started during the update of the step before (:class:`~lmfs.fast.grpo.PipelinedGRPOTrainer`'s
+    ``overlap_steps``) with the host's seconds in their start-up (which the trainer's phase timer
+    counts in the rollout phase)."""
 
     def __init__(self, trainer):
-        self.trainer, self._start, self._update = trainer, trainer.start_rollout, trainer.update
+        self.trainer, self._update, self._rollout_of = trainer, trainer.update, trainer.rollout_of
+        self._start = getattr(trainer, "start_rollout", None)
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         self.early, self.early_seconds, self._in_update = 0, 0.0, False
 
         def start_rollout(*args, **kwargs):
             begin = time.perf_counter()
-            finish = self._start(*args, **kwargs)
+            out = self._start(*args, **kwargs)
             if self._in_update:
                 self.early += 1
                 self.early_seconds += time.perf_counter() - begin
+            return out
 
-            def done():
-                out = finish()
-                for key in ROLLOUT_STATS:
-                    self.stats[key] += trainer.rollout_stats.get(key) or 0.0   # None: no device time off CUDA
-                return out
-
-            done.generation = finish.generation
-            return done
+        def rollout_of(*args, **kwargs):
+            out = self._rollout_of(*args, **kwargs)
+            for key in ROLLOUT_STATS:
+                self.stats[key] += trainer.rollout_stats.get(key) or 0.0   # None: no device time off CUDA
+            return out
 
         def update(*args, **kwargs):
             self._in_update = True
@@ -278,14 +283,18 @@ class RolloutRecorder:
             finally:
                 self._in_update = False
 
-        trainer.start_rollout, trainer.update = start_rollout, update
+        trainer.rollout_of, trainer.update = rollout_of, update
+        if self._start is not None:
+            trainer.start_rollout = start_rollout
 
     def reset(self) -> None:
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         self.early, self.early_seconds = 0, 0.0
 
     def close(self) -> None:
-        del self.trainer.start_rollout, self.trainer.update
+        del self.trainer.rollout_of, self.trainer.update
+        if self._start is not None:
+            del self.trainer.start_rollout
 
 
 # The engine's statistics of a rollout that say where its time went (summed over the timed steps).
@@ -299,16 +308,15 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     """Time ``sizes.steps`` GRPO steps of lmfs's trainer after warming up (two steps on a GPU, where the
     decode step is captured in a CUDA graph for each batch size met, one on the CPU); with ``profile``,
     then one more step under the profiler (:func:`profile_step`)."""
-    from lmfs.alignment.grpo import PHASES, GRPOConfig, GRPOTrainer
+    from lmfs.alignment.grpo import PHASES
     from lmfs.alignment.sft import end_id
+    from lmfs.fast.grpo import PipelineConfig, PipelinedGRPOTrainer
 
     cuda = next(model.parameters()).device.type == "cuda"
-    config = GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts,
-                        max_new_tokens=sizes.max_new_tokens, micro_batch_size=sizes.micro_batch, lr=1e-6,
-                        epochs_per_batch=1, kl_coef=0.0, temperature=1.0, progress=False, autocast=autocast,
-                        fused_update=fused_update, packed_update=packed_update, overlap_steps=overlap_steps,
-                        compile_update=compile_update)
-    trainer = GRPOTrainer(model, tok, problems, config=config)
+    config = grpo_config(sizes, autocast)
+    trainer = PipelinedGRPOTrainer(model, tok, problems, config=config, pipeline=PipelineConfig(
+        overlap_steps=overlap_steps, fused_model=fused_update, packed_update=packed_update,
+        compile_update=compile_update))
     trainer.stop_ids = (end_id(tok),)                     # TRL stops at its eos token only: so do we here
     # The timer goes in before the warm-up, so that the CUDA graphs are captured with it in place.
     timer = ForwardTimer(trainer.llm)
@@ -333,10 +341,7 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
         optimizer_timer.close()
         recorder.close()
     h = trainer.history
-    phases = {p: sum(getattr(h, f"{p}_s")[-n:]) for p in PHASES}
-    # a rollout started during the update before: its start-up belongs to the rollout
-    phases["rollout"] += recorder.early_seconds
-    phases["update"] -= recorder.early_seconds
+    phases = {p: sum(getattr(h, f"{p}_s")[-n:]) for p in PHASES}   # (a rollout's early start-up is the rollout's)
     rollout = recorder.stats
     micro_batches = -(-config.batch_size // config.micro_batch_size)
     # the tokens the last step's update ran: the sequences' own, and with the padding to each micro-batch's longest
@@ -374,6 +379,35 @@ def run_lmfs(model, tok, problems, sizes: Sizes, autocast: str = "auto", fused_u
     return result
 
 
+def grpo_config(sizes: Sizes, autocast: str = "auto"):
+    """The benchmark's GRPO settings: one epoch, no KL penalty, temperature 1 (as TRL's run)."""
+    from lmfs.alignment.grpo import GRPOConfig
+
+    return GRPOConfig(group_size=sizes.group_size, prompts_per_step=sizes.prompts, max_new_tokens=sizes.max_new_tokens,
+                      micro_batch_size=sizes.micro_batch, lr=1e-6, epochs_per_batch=1, kl_coef=0.0, temperature=1.0,
+                      progress=False, autocast=autocast)
+
+
+def run_sequential(model, tok, problems, sizes: Sizes, autocast: str = "auto") -> dict:
+    """Samples per second of the sequential :class:`~lmfs.alignment.grpo.GRPOTrainer` (the algorithm as
+    lecture 17 teaches it: plain modules, lmfs's AdamW, each phase waiting for the one before) on
+    the same model, task and batch, timed as :func:`run_lmfs` times the pipelined trainer."""
+    from lmfs.alignment.grpo import GRPOTrainer
+    from lmfs.alignment.sft import end_id
+
+    trainer = GRPOTrainer(model, tok, problems, config=grpo_config(sizes, autocast))
+    trainer.stop_ids = (end_id(tok),)
+    trainer.train(2 if next(model.parameters()).device.type == "cuda" else 1)      # warm-up
+    start = time.perf_counter()
+    trainer.train(trainer.step + sizes.steps)
+    total = time.perf_counter() - start
+    h = trainer.history
+    return dict(samples_per_s=trainer.config.batch_size * sizes.steps / total, seconds_per_step=total / sizes.steps,
+                response_length=sum(h.response_length[-sizes.steps:]) / sizes.steps,
+                phase_share={p: sum(getattr(h, f"{p}_s")[-sizes.steps:]) / total for p in ("rollout", "reward",
+                                                                                            "reference", "update")})
+
+
 def profile_step(trainer) -> dict:
     """One more GRPO step under the profiler (:func:`lmfs.bench.timing.device_timeline`): for each
     part of the step, its host time and the GPU's busy time within it, and the longest stretches
@@ -382,70 +416,16 @@ def profile_step(trainer) -> dict:
     from lmfs.bench.timing import device_timeline
 
     llm = trainer.llm
-    parts = {"rollout": (trainer, "rollout"), "requests": (llm, "_requests"), "admission": (llm, "_admit"),
+    parts = {"rollout": (trainer, "finish_rollout"), "requests": (llm, "_requests"), "admission": (llm, "_admit"),
              "prefill": (llm, "_prefill"), "decode steps": (llm, "_decode"), "reward": (trainer, "score"),
              "batch": (trainer, "micro_batches"), "update": (trainer, "update"),
-             "optimizer": (trainer, "_optimizer_step")}
+             "optimizer": (trainer, "optimizer_step")}
     return device_timeline(lambda: trainer.train(trainer.step + 1), parts, gaps=10)
-
-
-def run_trl(model, tok, problems, sizes: Sizes, device: torch.device) -> dict:
-    """Time ``sizes.steps`` steps of TRL's GRPOTrainer on the same weights, task and batch, after one
-    warm-up step."""
-    from datasets import Dataset
-    from transformers import LlamaForCausalLM, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer as TRLTrainer
-
-    from lmfs.alignment.sft import END, format_prompt
-    from lmfs.alignment.tasks import check_answer
-    from lmfs.nn import to_hf_llama
-    from lmfs.tokenization.hf import hf_tokenizer
-
-    state, hf_config = to_hf_llama(model)
-    hf_model = LlamaForCausalLM(hf_config).to(device)
-    hf_model.load_state_dict(state)
-    hf_tok = hf_tokenizer(tok)
-    hf_tok.eos_token, hf_tok.pad_token = END, next(iter(tok.special_ids))   # stop at <|end|>, like lmfs
-    hf_model.generation_config.eos_token_id = hf_tok.eos_token_id
-    hf_model.generation_config.pad_token_id = hf_tok.pad_token_id
-    by_prompt = {format_prompt(p.prompt): p for p in problems}
-    data = Dataset.from_list([{"prompt": prompt} for prompt in by_prompt])
-
-    def reward(prompts, completions, **_):
-        return [check_answer(by_prompt[p], c.removesuffix(END)) for p, c in zip(prompts, completions)]
-
-    stamps, lengths = [], []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stamps.append(time.perf_counter())
-
-    batch = sizes.prompts * sizes.group_size
-    with tempfile.TemporaryDirectory() as out:
-        args = TRLConfig(output_dir=out, per_device_train_batch_size=sizes.micro_batch,
-                         gradient_accumulation_steps=batch // sizes.micro_batch, num_generations=sizes.group_size,
-                         max_completion_length=sizes.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                         learning_rate=1e-6, beta=0.0, loss_type="grpo", max_steps=sizes.steps + 1,
-                         logging_steps=1, report_to="none", save_strategy="no", use_cpu=device.type != "cuda",
-                         bf16=device.type == "cuda", disable_tqdm=True, seed=0, dataloader_num_workers=0)
-        trainer = TRLTrainer(model=hf_model, reward_funcs=reward, args=args, train_dataset=data,
-                             processing_class=hf_tok, callbacks=[Stamp()])
-        trainer.remove_callback(PrinterCallback)       # the log of every step (kept for the lengths)
-        trainer.train()
-        for record in trainer.state.log_history:
-            if "completions/mean_length" in record:
-                lengths.append(record["completions/mean_length"])
-    total = stamps[-1] - stamps[0]                      # the first step is the warm-up
-    return dict(samples_per_s=batch * sizes.steps / total, seconds_per_step=total / sizes.steps,
-                response_length=sum(lengths[1:]) / max(len(lengths[1:]), 1) if lengths else None)
 
 
 def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str = "auto",
         fused_update: bool = True, packed_update: bool = False, profile: bool = False,
-        overlap_steps: bool = True, compile_update: bool = False) -> dict:
+        overlap_steps: bool = True, compile_update: bool = False, sequential: bool = True) -> dict:
     """Both measurements; prints the table; returns the numbers."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -465,11 +445,19 @@ def run(sizes: Sizes | None = None, device=None, trl: bool = True, autocast: str
         result["trl"] = {"error": "left out (--no-trl)"}
     else:
         try:
+            from lmfs.benchmarks.grpo_trl import run_trl
+
             result["trl"] = run_trl(model, tok, problems, sizes, device)
         except Exception as err:  # TRL missing or refusing: lmfs's figures still stand
             result["trl"] = {"error": error_line(err)}
     if "error" not in result["trl"]:
         result["ratio"] = result["lmfs"]["samples_per_s"] / result["trl"]["samples_per_s"]
+    if sequential:      # on a fresh copy of the same weights: the pipelined run fused its model in place
+        _, plain, _ = make_setup(sizes, device)
+        plain.load_state_dict(initial)
+        gc.collect()
+        result["sequential"] = run_sequential(plain, tok, problems, sizes, autocast)
+        result["sequential_ratio"] = result["sequential"]["samples_per_s"] / result["lmfs"]["samples_per_s"]
     _print(result)
     return result
 
@@ -481,8 +469,12 @@ def _print(result: dict) -> None:
     print(f"\nGRPO step on {result['device']}: {result['params'] / 1e6:.2f} M parameters (d_model {s['d_model']}, "
           f"{s['n_layers']} layers), {s['prompts']} prompts x {s['group_size']} answers = {result['batch']} sequences, "
           f"up to {s['max_new_tokens']} new tokens, micro-batch {s['micro_batch']}, {s['steps']} timed steps")
-    rows = [{"trainer": "lmfs", "samples/s": f"{lm['samples_per_s']:.3g}", "s/step": f"{lm['seconds_per_step']:.3g}",
-             "mean response tokens": f"{lm['response_length']:.1f}"}]
+    rows = [{"trainer": "lmfs (pipelined)", "samples/s": f"{lm['samples_per_s']:.3g}",
+             "s/step": f"{lm['seconds_per_step']:.3g}", "mean response tokens": f"{lm['response_length']:.1f}"}]
+    if "sequential" in result:
+        seq = result["sequential"]
+        rows.append({"trainer": "lmfs (sequential)", "samples/s": f"{seq['samples_per_s']:.3g}",
+                     "s/step": f"{seq['seconds_per_step']:.3g}", "mean response tokens": f"{seq['response_length']:.1f}"})
     trl = result["trl"]
     if "error" in trl:
         rows.append({"trainer": "TRL", "samples/s": "-", "s/step": "-", "mean response tokens": trl["error"]})
@@ -525,6 +517,9 @@ def _print(result: dict) -> None:
               f"each micro-batch's longest; {computed:,} computed ({how})")
     if "profile" in lm:
         _print_profile(lm["profile"])
+    if "sequential_ratio" in result:
+        print(f"lmfs sequential / pipelined samples/s: {result['sequential_ratio']:.3g}x (sequential phases: "
+              + ", ".join(f"{p} {v:.0%}" for p, v in result["sequential"]["phase_share"].items()) + ")")
     if "ratio" in result:
         print(f"lmfs / TRL samples/s: {result['ratio']:.3g}x")
     else:
@@ -565,7 +560,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-overlap-steps", action="store_true",
                         help="start each rollout after the update before it has finished, not during it")
     parser.add_argument("--compile-update", action="store_true",
-                        help="lmfs's update forward through torch.compile (GRPOConfig.compile_update)")
+                        help="lmfs's update forward through torch.compile (PipelineConfig.compile_update)")
+    parser.add_argument("--no-sequential", action="store_true",
+                        help="leave out the sequential GRPOTrainer's run (its samples/s as a ratio of the pipelined one's)")
     parser.add_argument("--profile", action="store_true",
                         help="then one more lmfs step under the profiler: where the GPU waits, and for what")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -576,6 +573,6 @@ def main(argv=None) -> dict:
         sizes = Sizes(**{**asdict(sizes), "steps": args.steps})
     result = run(sizes, device, trl=not args.no_trl, autocast=args.autocast, fused_update=not args.no_fused_update,
                  packed_update=args.packed_update, profile=args.profile, overlap_steps=not args.no_overlap_steps,
-                 compile_update=args.compile_update)
+                 compile_update=args.compile_update, sequential=not args.no_sequential)
     save_json(result, args.json)
     return result

@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
 EOT = "<|endoftext|>"
 
-_NAMES = ["Lily", "Tom", "Mia", "Ben", "Sara", "Max", "Anna", "Leo", "Zoe", "Sam", "Ella", "Jack",
+# The story generator's names, colours and places are public: generated tasks draw their distractors
+# from them (lmfs.eval.tasks, lmfs.alignment.tasks).
+NAMES = ["Lily", "Tom", "Mia", "Ben", "Sara", "Max", "Anna", "Leo", "Zoe", "Sam", "Ella", "Jack",
           "Nora", "Finn", "Ruby", "Omar", "Ava", "Theo", "Ivy", "Kai"]
 _ANIMALS = ["cat", "dog", "rabbit", "bird", "fox", "bear", "duck", "frog", "mouse", "owl",
             "turtle", "squirrel", "horse", "puppy", "kitten"]
 _ADJ = ["little", "big", "happy", "shy", "brave", "curious", "sleepy", "kind", "silly", "tiny",
         "old", "clever", "gentle", "loud", "quiet"]
-_COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "pink", "brown", "white", "gold"]
-_PLACES = ["the park", "the forest", "the garden", "the beach", "the farm", "the school",
+COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "pink", "brown", "white", "gold"]
+PLACES = ["the park", "the forest", "the garden", "the beach", "the farm", "the school",
            "the river", "the hill", "the market", "the library", "the kitchen", "the playground"]
 _OBJECTS = ["ball", "kite", "hat", "book", "box", "cake", "boat", "drum", "flower", "key",
             "map", "shell", "balloon", "cup", "blanket", "toy car", "crayon", "stone"]
@@ -85,9 +88,15 @@ _QUESTIONS = ["Where are you going?", "Can I play too?", "What is that?", "Will 
               "Why are you {feel}?", "How many {os} do you have?"]
 
 
-def _a(word: str) -> str:
+def with_article(word: str) -> str:
     """The indefinite article that goes before ``word``."""
     return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+# Every story's first two sentences state where its child went and what toy and friend it had, in
+# these words (see _story): (name, place) and (name, colour, object, friend).
+PLACE_SENTENCE = re.compile(r"named (\w+) went to (the [a-z ]+?)\.")
+TOY_SENTENCE = re.compile(r"(\w+) had an? (\w+) ([a-z ]+?) and a friend named (\w+)\.")
 
 
 def _plural(noun: str) -> str:
@@ -97,15 +106,15 @@ def _plural(noun: str) -> str:
 def _story(rng: random.Random) -> str:
     """One story: opening, a problem, a few tries with some dialogue, an ending and maybe a moral."""
     pick = rng.choice
-    n, f = rng.sample(_NAMES, 2)
-    slots = dict(n=n, f=f, a=pick(_ANIMALS), adj=pick(_ADJ), c=pick(_COLORS), p=pick(_PLACES),
+    n, f = rng.sample(NAMES, 2)
+    slots = dict(n=n, f=f, a=pick(_ANIMALS), adj=pick(_ADJ), c=pick(COLORS), p=pick(PLACES),
                  o=pick(_OBJECTS), feel=pick(_FEELINGS), w=pick(_WEATHER), k=rng.randint(2, 10))
     slots["os"] = _plural(slots["o"])
     slots["q"] = pick(_QUESTIONS).format(**slots)
     time = pick(_TIMES).format(**slots)
     sents = [
-        f"{time}, {_a(slots['adj'])} {pick(['girl', 'boy', 'child'])} named {n} went to {slots['p']}.",
-        f"{n} had {_a(slots['c'])} {slots['o']} and a friend named {f}.",
+        f"{time}, {with_article(slots['adj'])} {pick(['girl', 'boy', 'child'])} named {n} went to {slots['p']}.",
+        f"{n} had {with_article(slots['c'])} {slots['o']} and a friend named {f}.",
         f"The day was {slots['w']}, and {n} felt {slots['feel']}.",
     ]
     sents.append(pick(_PROBLEMS).format(**slots))

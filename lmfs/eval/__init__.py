@@ -19,7 +19,7 @@ from lmfs.eval.contamination import NgramIndex, min_k_prob, ngram_overlap, roc_a
 from lmfs.eval.execution import ExecutionResult, run_many, run_python
 from lmfs.eval.harness import (NORMALISATIONS, ContinuationScore, GenItem, GenResult, MCItem, MCResult, check_code,
                                choice_predictions, encode_pair, evaluate_generation, evaluate_multiple_choice,
-                               exact_match, extract_answer, few_shot_context, generate, numbers_match, parse_number,
+                               exact_match, extract_answer, extract_choice, few_shot_context, generate, numbers_match, parse_number,
                                score_continuations, score_continuations_one_at_a_time)
 from lmfs.eval.metrics import (Interval, PairedComparison, bootstrap_ci, chi_square_test, mean_pass_at_k, paired_bootstrap,
                                paired_permutation_test, pass_at_k, sign_test)
@@ -33,7 +33,7 @@ __all__ = [
     "GenResult", "Interval", "MCItem", "MCResult", "NgramIndex", "PairedComparison", "PerplexityResult",
     "TargetScores", "arithmetic", "arithmetic_mc", "bits_per_byte", "bootstrap_ci", "bos_id", "check_code",
     "choice_predictions", "encode_pair", "evaluate_generation", "evaluate_multiple_choice", "exact_match",
-    "extract_answer", "few_shot_context", "generate", "humaneval", "load_task", "mean_pass_at_k", "min_k_prob",
+    "extract_answer", "extract_choice", "few_shot_context", "generate", "humaneval", "load_task", "mean_pass_at_k", "min_k_prob",
     "ngram_overlap", "numbers_match", "paired_bootstrap", "paired_permutation_test", "parse_number", "pass_at_k",
     "read_jsonl", "roc_auc", "run_many", "run_python", "score_continuations",
     "score_continuations_one_at_a_time", "chi_square_test", "sign_test", "sliding_windows", "story_facts", "target_logprobs",

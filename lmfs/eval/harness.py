@@ -321,6 +321,35 @@ def extract_answer(text: str, kind: str = "number") -> str | None:
     raise ValueError(f"kind={kind!r}: use 'number' or 'line'")
 
 
+# A chosen letter, capital, not part of a word: after "answer" ("The answer is (B)", "Answer: C"),
+# opening the reply ("B) the park", "(C)", "D."), or alone in brackets anywhere ("... so (A)").
+_ANSWER_LETTER = re.compile(r"(?i:\banswer\b(?:\s+is)?\s*[:\-]?\s*)\(?([A-Z])(?![A-Za-z])")
+_LEADING_LETTER = re.compile(r"^\s*\(?([A-Z])(?:[.):]|\s*$|\s)")
+_BRACKETED_LETTER = re.compile(r"\(([A-Z])\)")
+
+
+def extract_choice(text: str, n_choices: int) -> int | None:
+    """The choice a generated reply picks by its letter (``A`` = 0), for multiple choice by generation
+    beside :func:`evaluate_multiple_choice`'s log-likelihoods: the letter after the last
+    ``answer``/``Answer:``, else the letter that opens the reply, else the last bracketed one.
+    Letters are capitals standing alone, so the article in "a cat" or "A cat sat" picks nothing;
+    None when no letter of the first ``n_choices`` is found.
+
+    >>> extract_choice("The answer is (C).", 4), extract_choice("B) the park", 4), extract_choice("A cat sat.", 4)
+    (2, 1, None)
+    """
+    if not 1 <= n_choices <= 26:
+        raise ValueError(f"n_choices={n_choices}: letters A-Z name 1 to 26 choices")
+    found = _ANSWER_LETTER.findall(text)
+    letter = found[-1] if found else None
+    if letter is None and (m := _LEADING_LETTER.match(text)) and not re.match(r"\s*A\s+[a-z]", text):
+        letter = m.group(1)
+    if letter is None and (found := _BRACKETED_LETTER.findall(text)):
+        letter = found[-1]
+    index = None if letter is None else ord(letter) - ord("A")
+    return index if index is not None and index < n_choices else None
+
+
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 

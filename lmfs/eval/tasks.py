@@ -22,11 +22,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lmfs.data.corpora import _COLORS, _NAMES, _PLACES, _a, iter_stories
+from lmfs.data.corpora import COLORS, NAMES, PLACES, PLACE_SENTENCE, TOY_SENTENCE, iter_stories, with_article
 from lmfs.eval.harness import GenItem, MCItem
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "eval"
@@ -82,10 +81,6 @@ def arithmetic_mc(n: int = 200, seed: int = 0, digits: int = 2, n_choices: int =
     return items
 
 
-_WENT = re.compile(r"named (\w+) went to (the [a-z ]+?)\.")
-_HAD = re.compile(r"(\w+) had an? (\w+) ([a-z ]+?) and a friend named (\w+)\.")
-
-
 def story_facts(n: int = 200, seed: int = 1000, n_choices: int = 4) -> list[MCItem]:
     """GENERATED: the first paragraph of a story from ``iter_stories(seed)`` (it always holds the
     first two sentences, where these facts are, and keeps items short enough for small contexts),
@@ -99,14 +94,14 @@ def story_facts(n: int = 200, seed: int = 1000, n_choices: int = 4) -> list[MCIt
     rng = random.Random(f"lmfs-story-facts:{seed}")
     items = []
     for i, story in zip(range(n), iter_stories(seed)):
-        (name, place), (_, colour, obj, friend) = _WENT.search(story).groups(), _HAD.search(story).groups()
+        (name, place), (_, colour, obj, friend) = PLACE_SENTENCE.search(story).groups(), TOY_SENTENCE.search(story).groups()
         kind = i % 3
         if kind == 0:
-            question, answer, others = f"{name} went to", place, _PLACES
+            question, answer, others = f"{name} went to", place, PLACES
         elif kind == 1:
-            question, answer, others = f"{name} had", f"{_a(colour)} {obj}", [f"{_a(c)} {obj}" for c in _COLORS]
+            question, answer, others = f"{name} had", f"{with_article(colour)} {obj}", [f"{with_article(c)} {obj}" for c in COLORS]
         else:
-            question, answer, others = f"{name} had {_a(colour)} {obj} and a friend named", friend, _NAMES
+            question, answer, others = f"{name} had {with_article(colour)} {obj} and a friend named", friend, NAMES
         choices = rng.sample([o for o in others if o != answer], n_choices - 1) + [answer]
         rng.shuffle(choices)
         context = story.split("\n\n")[0] + "\n\n" + question
