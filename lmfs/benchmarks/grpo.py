@@ -416,8 +416,8 @@ def profile_step(trainer) -> dict:
     from lmfs.bench.timing import device_timeline
 
     llm = trainer.llm
-    parts = {"rollout": (trainer, "finish_rollout"), "requests": (llm, "_requests"), "admission": (llm, "_admit"),
-             "prefill": (llm, "_prefill"), "decode steps": (llm, "_decode"), "reward": (trainer, "score"),
+    parts = {"rollout": (trainer, "finish_rollout"), "scheduling": (llm.scheduler, "schedule"),
+             "forwards": (llm.runner, "step"), "accepting": (llm.scheduler, "accept"), "reward": (trainer, "score"),
              "batch": (trainer, "micro_batches"), "update": (trainer, "update"),
              "optimizer": (trainer, "optimizer_step")}
     return device_timeline(lambda: trainer.train(trainer.step + 1), parts, gaps=10)
