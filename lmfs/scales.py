@@ -284,9 +284,15 @@ CONFIGS: dict[str, dict[str, dict]] = {
             eval_batches=4,
             n_heads=2,
             # model sizes (changes to the base config) x FLOP budgets C = 6·N·D
-            sizes=(dict(d_model=8, n_layers=1), dict(d_model=16, n_layers=1), dict(d_model=32, n_layers=1),
-                   dict(d_model=64, n_layers=1)),
-            budgets=(1e9, 3e9, 9e9),
+            # 2.9 K .. 86 K parameters. Runs outside min_steps..max_steps are left out, which keeps
+            # three sizes per budget centred on its optimum (3e9: d 4-16, 9e9: d 8-32, 2.7e10:
+            # d 16-64): each budget's lowest loss falls on its middle size, so the IsoFLOP minima are
+            # bracketed (an off-centre grid tilts the parabola), and the long runs of the smallest
+            # models at the largest budgets, far below those optima, cost nothing.
+            sizes=(dict(d_model=4, n_layers=1), dict(d_model=8, n_layers=1), dict(d_model=16, n_layers=1),
+                   dict(d_model=32, n_layers=1), dict(d_model=64, n_layers=1)),
+            budgets=(3e9, 9e9, 2.7e10),
+            min_steps=40, max_steps=800,
             workers=1,                 # runs trained at once (processes); 1 on a CPU
             # critical batch size: one model, several batch sizes, steps to a target loss
             batch_model=dict(d_model=16, n_layers=1), batch_sizes=(4, 8, 16, 32), batch_steps=80,
@@ -308,6 +314,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             sizes=(dict(d_model=32, n_layers=2), dict(d_model=48, n_layers=2), dict(d_model=64, n_layers=3),
                    dict(d_model=96, n_layers=3), dict(d_model=128, n_layers=4)),
             budgets=(2e12, 6e12, 1.8e13),
+            min_steps=10, max_steps=None,  # every run of the grid is trained
             workers=6,                 # small models leave the GPU idle: six train at once
             batch_model=dict(d_model=64, n_layers=2), batch_sizes=(8, 16, 32, 64, 128, 256), batch_steps=400,
             batch_lr=3e-3, noise_small=8, noise_big=256, noise_repeats=8,

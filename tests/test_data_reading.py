@@ -217,6 +217,9 @@ def test_gopher_boundaries():
     assert "too few stop words" in gopher_reasons(" ".join(_words(60, ("the", "cat"))))
     assert "symbol-to-word ratio" not in gopher_reasons(" ".join(_words(60)[:54] + ["#a"] * 6))
     assert "symbol-to-word ratio" in gopher_reasons(" ".join(_words(60)[:53] + ["#a"] * 7))
+    # two ratios, each bounded on its own (Gopher): 6 hashes and 6 ellipses in 60 words pass, 7 of either fails
+    assert "symbol-to-word ratio" not in gopher_reasons(" ".join(_words(60)[:48] + ["#a"] * 6 + ["b..."] * 6))
+    assert "symbol-to-word ratio" in gopher_reasons(" ".join(_words(60)[:47] + ["#a"] * 6 + ["b..."] * 7))
     assert "words without letters" not in gopher_reasons(" ".join(_words(60)[:48] + ["42"] * 12))
     assert "words without letters" in gopher_reasons(" ".join(_words(60)[:47] + ["42"] * 13))
     spam = " ".join(["cheap watches"] * 40 + _words(20))

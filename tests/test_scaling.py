@@ -92,6 +92,33 @@ def test_three_methods_recover_the_exponent_of_the_law_that_made_the_runs():
     assert abs(np.log(iso.tokens_per_parameter(1e21) / LAW.tokens_per_parameter(1e21))) < 0.2
 
 
+def test_isoflop_warns_when_a_minimum_sits_at_the_edge_of_its_grid():
+    import warnings
+
+    from lmfs.scaling import isoflop_profile
+
+    N = np.array([1e6, 2e6, 4e6, 8e6])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # bracketed: no warning
+        assert 2e6 < isoflop_profile(N, [3.0, 2.8, 2.75, 2.9], 1e18).N_opt < 4e6
+    with pytest.warns(UserWarning, match="edge of the sizes tried.*add smaller models"):
+        isoflop_profile(N, [2.7, 2.8, 3.0, 3.3], 1e18)      # loss rises from the smallest size on
+    with pytest.warns(UserWarning, match="add larger models"):
+        isoflop_profile(N, [3.3, 3.0, 2.8, 2.79], 1e18)     # still falling at the largest size
+    with pytest.warns(UserWarning, match="edge"):            # the same through isoflop_method
+        isoflop_method(np.tile(N, 2), [1e18] * 4 + [1e19] * 4, [2.7, 2.8, 3.0, 3.3, 3.0, 2.8, 2.75, 2.9])
+
+
+def test_plan_sweep_leaves_out_runs_outside_the_step_range(capsys):
+    base = TransformerConfig(vocab_size=64, context_length=8, n_heads=2)
+    options = SweepOptions(batch_size=4, context_length=8)
+    sizes = [dict(d_model=8, n_layers=1), dict(d_model=32, n_layers=1)]
+    all_runs = plan_sweep(sizes, [1e8], base, options, min_steps=1)
+    steps = sorted(r["steps"] for r in all_runs)
+    kept = plan_sweep(sizes, [1e8], base, options, min_steps=1, max_steps=steps[0])
+    assert [r["steps"] for r in kept] == [steps[0]] and f"(> {steps[0]})" in capsys.readouterr().out
+
+
 def test_figure4_fit_reproduces_the_replication():
     runs = load_chinchilla_runs()
     assert len(runs) == 245

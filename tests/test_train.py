@@ -94,6 +94,27 @@ def test_tokenize_to_memmap_text_and_file(tmp_path):
         tokenize_to_memmap(ByteTokenizer(), "", tmp_path / "d.bin")
 
 
+def test_split_at_document_keeps_the_share_asked_for():
+    from lmfs.data.corpora import EOT
+    from lmfs.train.data import _split_at_document
+
+    # Many short documents: the cut lands on the boundary nearest to 90% (by hand: after doc 9 of 10).
+    docs = [f"story {i} " + "x" * 90 for i in range(10)]
+    text = EOT.join(docs)
+    train, val = _split_at_document(text, 0.1)
+    assert train + val == text and train.endswith(EOT) and val == docs[-1]
+    # A long final document (as the stdlib corpus ends with a 229 KB file): the boundary before it
+    # would make 80% validation, so the cut goes to the line break nearest to 90%.
+    text = "a\n" * 50 + EOT + "b\n" * 200
+    train, val = _split_at_document(text, 0.1)
+    assert train + val == text and train.endswith("\n")
+    assert abs(len(val) / len(text) - 0.1) < 0.01
+    # No boundary nor line break at all: the cut stays at 90%; both parts are non-empty.
+    train, val = _split_at_document("z" * 1000, 0.1)
+    assert (len(train), len(val)) == (900, 100)
+    assert all(_split_at_document("ab", f) == ("a", "b") for f in (0.01, 0.5, 0.99))
+
+
 def test_prepare_tokens_trains_encodes_and_caches(tmp_path, monkeypatch):
     data = prepare_tokens("stories", n_bytes=40_000, vocab_size=300, workdir=tmp_path)
     assert data.vocab_size == data.tokenizer.vocab_size <= 300

@@ -31,7 +31,7 @@ _BLOCK = {"p", "div", "section", "article", "main", "br", "hr", "li", "ul", "ol"
 _VOID = {"br", "hr", "img", "input", "meta", "link", "area", "base", "col", "embed", "source", "track", "wbr"}
 
 
-class _TextCollector(HTMLParser):
+class TextCollector(HTMLParser):
     """Collects text outside skipped elements; block elements end a line."""
 
     def __init__(self, main_content: bool) -> None:
@@ -103,7 +103,7 @@ def html_to_text(html: str, main_content: bool = True) -> str:
         >>> html_to_text("<nav>Home</nav><p>Hello &amp; <b>welcome</b></p><script>x=1</script><p>Bye</p>")
         'Hello & welcome\\nBye'
     """
-    parser = _TextCollector(main_content)
+    parser = TextCollector(main_content)
     parser.feed(html)
     parser.close()
     return parser.text()

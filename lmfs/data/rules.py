@@ -10,7 +10,8 @@ curly bracket (code), or a word from a blocklist. (C4 also removed Wikipedia-sty
 and deduplicated three-sentence spans; the markers are stripped here, spans are dedup's job.)
 
 **Gopher** (Rae et al., 2021, appendix A.1.1, "MassiveWeb") judges whole documents: 50 to 100,000
-words; mean word length 3 to 10 characters; at most 0.1 hash symbols and ellipses per word; at most
+words; mean word length 3 to 10 characters; at most 0.1 hash symbols per word, and at most 0.1 ellipses per word (two ratios, each
+with its own bound); at most
 90% of lines starting with a bullet and 30% ending in an ellipsis; at least 80% of words with a
 letter; at least 2 of the stop words *the, be, to, of, and, that, have, with*. And repetition:
 duplicate lines at most 30% of lines (20% of characters), duplicate paragraphs likewise; the most
@@ -38,7 +39,7 @@ class GopherThresholds:
     max_words: int = 100_000
     min_mean_word_length: float = 3.0
     max_mean_word_length: float = 10.0
-    max_symbol_word_ratio: float = 0.1          # ("#" + "..." / "…") per word
+    max_symbol_word_ratio: float = 0.1          # "#" per word, and ("..." / "…") per word: each
     max_bullet_lines: float = 0.9               # fraction of lines starting with a bullet
     max_ellipsis_lines: float = 0.3             # fraction of lines ending with an ellipsis
     min_alpha_words: float = 0.8                # fraction of words holding a letter
@@ -135,8 +136,9 @@ def gopher_reasons(text: str, t: GopherThresholds = GopherThresholds()) -> list[
     mean_len = sum(map(len, words)) / n
     if not t.min_mean_word_length <= mean_len <= t.max_mean_word_length:
         reasons.append("mean word length")
-    symbols = text.count("#") + text.count("...") + text.count("…")
-    if symbols / n > t.max_symbol_word_ratio:
+    # Gopher bounds each symbol on its own: a page with 0.1 hashes and 0.1 ellipses per word passes.
+    hashes, ellipses = text.count("#"), text.count("...") + text.count("…")
+    if max(hashes, ellipses) / n > t.max_symbol_word_ratio:
         reasons.append("symbol-to-word ratio")
     if lines and sum(line.startswith(BULLETS) for line in lines) / len(lines) > t.max_bullet_lines:
         reasons.append("bullet lines")

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import warnings
+
 import numpy as np
 
 from lmfs.scaling.fits import ChinchillaFit, ChinchillaLaw, PowerLawFit, fit_chinchilla, fit_power_law
@@ -166,8 +168,10 @@ class IsoFLOPProfile:
 def isoflop_profile(N, loss, C: float) -> IsoFLOPProfile:
     """Fit one budget's parabola in ``log N`` (least squares) and return its minimum.
 
-    Needs three different sizes (a parabola has three coefficients) and an upward parabola; a
-    minimum outside the sizes tried is allowed but extrapolated, so the sizes should bracket it.
+    Needs three different sizes (a parabola has three coefficients) and an upward parabola. A
+    minimum that is not bracketed (the lowest loss measured at the smallest or largest size, or
+    the parabola's minimum outside the sizes tried) is extrapolated, not measured: it is returned
+    with a warning, and the sizes should be widened on that side.
     """
     N, loss = np.asarray(N, dtype=np.float64), np.asarray(loss, dtype=np.float64)
     if np.unique(N).size < 3:
@@ -178,6 +182,12 @@ def isoflop_profile(N, loss, C: float) -> IsoFLOPProfile:
         raise ValueError(f"budget C={C:.3g}: loss against log N curves downward (no minimum); the sizes "
                          "do not bracket the optimum or the runs are too noisy: widen the range of sizes")
     log_n = -coeffs[1] / (2 * coeffs[0])
+    best = N[np.argmin(loss)]
+    if best in (N.min(), N.max()) or not N.min() <= np.exp(log_n) <= N.max():
+        side = "smaller" if best == N.min() or np.exp(log_n) < N.min() else "larger"
+        warnings.warn(f"budget C={C:.3g}: the minimum sits at the edge of the sizes tried "
+                      f"(lowest loss at N={best:,.0f}, parabola minimum at N={np.exp(log_n):,.0f}, sizes "
+                      f"{N.min():,.0f}..{N.max():,.0f}): it is extrapolated; add {side} models", stacklevel=2)
     return IsoFLOPProfile(C, N, loss, coeffs, float(np.exp(log_n)), float(np.polyval(coeffs, log_n)))
 
 

@@ -60,14 +60,16 @@ def run_key(model: dict, budget: float) -> str:
 
 
 def plan_sweep(sizes: list[dict], budgets: list[float], base: TransformerConfig, options: SweepOptions,
-               min_steps: int = 10) -> list[dict]:
+               min_steps: int = 10, max_steps: int | None = None) -> list[dict]:
     """The runs of a sizes × budgets grid: one dict per run with its ``key``, ``model`` fields,
     ``params`` ``N``, ``budget`` ``C``, ``tokens`` ``D = C / 6N`` and ``steps``.
 
     ``sizes`` are changes to ``base`` (``dict(d_model=64, n_layers=2, n_heads=4)``). ``N`` counts
     every parameter of the model (Chinchilla's convention; Kaplan et al. left out the embeddings).
     A run with fewer than ``min_steps`` steps is left out with a note: its loss would say more
-    about warmup than about the model.
+    about warmup than about the model. A run with more than ``max_steps`` steps (a small model at a
+    large budget, far below that budget's optimum and the costliest run of the grid) is left out
+    with a note too, when ``max_steps`` is given.
     """
     runs = []
     for budget in budgets:
@@ -78,6 +80,9 @@ def plan_sweep(sizes: list[dict], budgets: list[float], base: TransformerConfig,
             steps = int(round(budget / (6 * n * options.tokens_per_step)))
             if steps < min_steps:
                 print(f"left out: {run_key(model, budget)} would train {steps} steps (< {min_steps})")
+                continue
+            if max_steps is not None and steps > max_steps:
+                print(f"left out: {run_key(model, budget)} would train {steps} steps (> {max_steps})")
                 continue
             runs.append(dict(key=run_key(model, budget), model=model, params=n, budget=float(budget),
                              tokens=steps * options.tokens_per_step, steps=steps))

@@ -105,25 +105,41 @@ class TokenData:
 
 
 def _split_at_document(text: str, val_fraction: float) -> tuple[str, str]:
-    """Cut ``text`` so about ``val_fraction`` of it is validation, at a document boundary if possible.
+    """Cut ``text`` so about ``val_fraction`` of it is validation, at a document boundary if one is near.
 
-    Cutting inside a story would put its beginning in one split and its end in the other; the
-    cut moves to just after the first ``EOT`` following it (or the last one before it, when
-    none follows with text after it; it stays put when the text has no ``EOT`` at all).
+    Cutting inside a story would put its beginning in one split and its end in the other, so the
+    cut moves to the document boundary (just after an ``EOT``) nearest to it, when that boundary
+    keeps the validation share within half of ``val_fraction`` of the share asked for. A corpus of
+    a few long documents (a 229 KB source file ends the stdlib corpus) has no such boundary: moving
+    the cut there would hand most of the text to validation, so the cut goes to the line break
+    nearest to it instead (or stays put in a text without one). Both parts are non-empty whenever
+    the text has two characters or more.
     """
-    cut = int(len(text) * (1 - val_fraction))
-    after = text.find(EOT, cut)
-    if after != -1 and after + len(EOT) < len(text):
-        return text[:after + len(EOT)], text[after + len(EOT):]
+    n = len(text)
+    cut = min(max(int(n * (1 - val_fraction)), 1), n - 1) if n > 1 else n
+    slack = n * val_fraction / 2
+    boundaries = []
+    after = text.find(EOT, max(cut - len(EOT) + 1, 0))  # also an EOT that the cut falls inside
+    if after != -1 and after + len(EOT) < n:
+        boundaries.append(after + len(EOT))
     before = text.rfind(EOT, 0, cut)
-    if before > 0:
-        cut = before + len(EOT)
+    if before != -1 and before + len(EOT) < n:
+        boundaries.append(before + len(EOT))
+    near = [b for b in boundaries if abs(b - cut) <= slack and 0 < b < n]
+    if near:
+        cut = min(near, key=lambda b: abs(b - cut))
+        return text[:cut], text[cut:]
+    lines = [i + 1 for i in (text.rfind("\n", 0, cut), text.find("\n", cut)) if i != -1 and 0 < i + 1 < n]
+    lines = [i for i in lines if abs(i - cut) <= slack]
+    if lines:
+        cut = min(lines, key=lambda i: abs(i - cut))
     return text[:cut], text[cut:]
 
 
 def _cache_key(corpus: str, n_bytes: int, vocab_size: int, seed: int, val_fraction: float) -> str:
     """A folder name unique to the arguments (and, for a file corpus, to the file's size and date)."""
-    parts = [corpus, n_bytes, vocab_size, seed, val_fraction]
+    # "split-nearest" names the rule of _split_at_document: data cut by an older rule is not reused
+    parts = [corpus, n_bytes, vocab_size, seed, val_fraction, "split-nearest"]
     path = Path(corpus).expanduser()
     if path.is_file():
         stat = path.stat()
