@@ -27,8 +27,10 @@ gives; ``LMFS_SANDBOX=bwrap|none`` or ``isolation=`` forces one):
   namespace, so it cannot see or signal the evaluator, and every process it starts (``setsid``,
   double fork, ignoring SIGTERM) dies with it; no inherited environment.
 * ``"none"`` (the fallback: macOS, containers without namespaces): the child runs as a plain
-  process in a scratch folder. It shares the host's network and file view (read access as its
-  user); a warning says so once.
+  process in a scratch folder, in a session of its own, with the guard of earlier versions against
+  accidents (process creation, signals and file deletion removed from ``os``, ``shutil`` and
+  ``subprocess``: Python code can reach around it through ``posix`` or ``ctypes``). It shares the
+  host's network and file view (read access as its user); a warning says so once.
 
 In both modes the child gets limits set before the candidate runs (``resource.setrlimit``):
 address space (memory), CPU seconds, file size (stdout and stderr go to files, so a flood stops
@@ -141,7 +143,7 @@ def _decode(payload: bytes):
 _CHILD = r'''
 import math, os, resource, struct, sys
 MAX_DEPTH = 100
-REQ, RESP, UID, MEMORY, CPU, FSIZE, NPROC = map(int, sys.argv[1:8])
+REQ, RESP, UID, MEMORY, CPU, FSIZE, NPROC, GUARD = map(int, sys.argv[1:9])
 del sys.argv[1:]
 for _limit, _value in ((resource.RLIMIT_AS, MEMORY), (resource.RLIMIT_CPU, CPU), (resource.RLIMIT_FSIZE, FSIZE),
                        (resource.RLIMIT_NPROC, NPROC), (resource.RLIMIT_CORE, 0)):
@@ -152,6 +154,19 @@ if UID >= 0 and os.getuid() == 0:
     os.setgroups([])
     os.setgid(UID)
     os.setuid(UID)     # also drops every capability: the limits above cannot be raised again
+if GUARD:              # the fallback's guard against accidents (Python code can reach around it)
+    import shutil, subprocess
+    def _blocked(*args, **kwargs):
+        raise PermissionError("blocked by the lmfs.eval sandbox's guard")
+    for _name in ("fork", "forkpty", "system", "popen", "kill", "killpg", "setsid", "putenv", "execv", "execve",
+                  "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp",
+                  "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "posix_spawn", "posix_spawnp", "remove",
+                  "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate", "chmod", "chown",
+                  "lchown", "fchmod", "fchown", "chroot"):
+        if hasattr(os, _name):
+            setattr(os, _name, _blocked)
+    shutil.rmtree = shutil.move = shutil.chown = _blocked
+    subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_call = subprocess.check_output = _blocked
 {codec}
 _ESCAPES = {{c: "\\u%04x" % c for c in [*range(32), *range(0xD800, 0xE000)]}}
 _ESCAPES.update({{ord('"'): '\\"', ord("\\"): "\\\\"}})
@@ -425,7 +440,7 @@ class _Child:
                 os.set_blocking(fd, False)
             self.out_path, self.err_path = os.path.join(self.root, "stdout"), os.path.join(self.root, "stderr")
             args = ["-I", "-S", "-c", _child_source(), str(req_r), str(resp_w), str(self.uid), str(memory_mb << 20),
-                    str(int(timeout) + 1), str(max_output_bytes), "64"]
+                    str(int(timeout) + 1), str(max_output_bytes), "64", str(int(mode == "none"))]
             if mode == "bwrap":
                 cmd, cwd = _bwrap_command(_bwrap_probe()[0], scratch_mb) + args, None
                 env = {"PATH": "/usr/bin:/bin"}
