@@ -113,7 +113,8 @@ def test_always_equal_objects_pass_nothing(scratch_root):
     result = judged(ALWAYS_EQUAL)
     assert result.status == "error" and "not plain data" in result.detail
     # Swallowing the exception in the harness does not help: a non-plain answer fails the run.
-    swallow = PROMPT + "\n\ndef check(candidate):\n    try:\n        candidate(1, 2)\n    except Exception:\n        pass\n"
+    swallow = (PROMPT + "\n\ndef check(candidate):\n    try:\n        candidate(1, 2)\n"
+               "    except Exception:\n        pass\n")
     assert not check_program(PROMPT + ALWAYS_EQUAL, swallow, "add", isolation="bwrap").passed
     subclass = "    class S(int):\n        def __eq__(self, o):\n            return True\n    return S(0)\n"
     assert judged(subclass).status == "error"

@@ -27,20 +27,22 @@ gives; ``LMFS_SANDBOX=bwrap|none`` or ``isolation=`` forces one):
   namespace, so it cannot see or signal the evaluator, and every process it starts (``setsid``,
   double fork, ignoring SIGTERM) dies with it; no inherited environment.
 * ``"none"`` (the fallback: macOS, containers without namespaces): the child runs as a plain
-  process in a scratch folder, in a session of its own, with the guard of earlier versions against
-  accidents (process creation, signals and file deletion removed from ``os``, ``shutil`` and
-  ``subprocess``: Python code can reach around it through ``posix`` or ``ctypes``). It shares the
-  host's network and file view (read access as its user); a warning says so once.
+  process in a scratch folder, in a session of its own, with a guard against accidents (process
+  creation, signals and file deletion removed from ``os``, ``shutil`` and ``subprocess``: Python
+  code can reach around it through ``posix`` or ``ctypes``). It shares the host's network and file
+  view (read access as its user); a warning says so once.
 
 In both modes the child gets limits set before the candidate runs (``resource.setrlimit``):
 address space (memory), CPU seconds, file size (stdout and stderr go to files, so a flood stops
 at the limit), process count, no core dumps; the parent enforces a wall-clock timeout. When the
 evaluator runs as root, the child first switches to a user id no other process has (per run), so
-the process limit holds (Linux does not apply ``RLIMIT_NPROC`` to root), the limits cannot be
-raised again, and the evaluator's processes and files (``/proc/PID/environ``, ``~``) are out of
-its reach in the fallback too; leftover processes of that user are killed at the end. A non-root
-evaluator in the fallback has none of that: the child runs as the same user (it could signal the
-evaluator, and its detached processes can outlive the run).
+the process limit holds (Linux does not apply ``RLIMIT_NPROC`` to root) and the limits cannot be
+raised again; leftover processes of that user are killed at the end. Under bubblewrap it always
+does; in the fallback only where every user can read the interpreter (not a pyenv under
+``/root``), and then the evaluator's processes and files (``/proc/PID/environ``, ``~``) are out of
+its reach too. Otherwise the fallback's child runs as the evaluator's user: it can signal the
+evaluator, read its files, raise its limits if that user is root, and leave detached processes
+behind. A non-root evaluator's sandbox counts the process limit over all of that user's processes.
 
 What no mode gives: protection against kernel exploits (use a VM or gVisor for that), a limit on
 the tmpfs's pages beyond its size, or isolation of the CPU time of sibling processes from one
