@@ -44,6 +44,12 @@ its reach too. Otherwise the fallback's child runs as the evaluator's user: it c
 evaluator, read its files, raise its limits if that user is root, and leave detached processes
 behind. A non-root evaluator's sandbox counts the process limit over all of that user's processes.
 
+Why bubblewrap and not ``unshare`` alone: util-linux's ``unshare`` makes the namespaces, but a
+read-only view of the files needs a script of mounts after it, and a root evaluator's child keeps
+root's power over the host's files unless it can switch user (not where the interpreter lives in
+root's home); bubblewrap does both in one checked step, so without it the sandbox falls back, and
+says so, rather than half-isolating.
+
 What no mode gives: protection against kernel exploits (use a VM or gVisor for that), a limit on
 the tmpfs's pages beyond its size, or isolation of the CPU time of sibling processes from one
 another (there is no cgroup). :func:`run_python` runs a whole program without a judge; its
