@@ -435,7 +435,7 @@ class _Child:
 
     def __init__(self, mode: str, timeout: float, memory_mb: int, max_output_bytes: int, scratch_mb: int = 64):
         self.deadline = time.monotonic() + timeout
-        self.max_output_bytes = max_output_bytes
+        self.mode, self.max_output_bytes = mode, max_output_bytes
         self.root = tempfile.mkdtemp(prefix="lmfs-exec-")
         self.uid = _fresh_uid() if _switches_user(mode) else -1
         self.proc = None
@@ -519,9 +519,11 @@ class _Child:
             raise ValueError("a message that is not a JSON object")
         return message
 
-    def close(self) -> tuple[int | None, str, str, bool]:
+    def close(self, ended: bool = False) -> tuple[int | None, str, str, bool]:
         """Kill the child and everything it started, remove its files: (returncode, stdout, stderr, over the
-        output limit)."""
+        output limit). ``ended``: the child stopped answering, so it is given a moment to exit by itself
+        and the returncode says how it ended (``-signal`` as :mod:`subprocess` reports it, also for
+        bubblewrap's ``128 + signal``)."""
         returncode, stdout, stderr, big = None, "", "", False
         try:
             for fd in ("req_w", "resp_r"):
@@ -529,11 +531,18 @@ class _Child:
                     os.close(getattr(self, fd))
                     setattr(self, fd, -1)
             if self.proc is not None:
+                if ended:
+                    try:
+                        self.proc.wait(timeout=min(0.25, max(self.deadline - time.monotonic(), 0)))
+                    except subprocess.TimeoutExpired:
+                        pass
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
                 returncode = self.proc.wait()
+                if self.mode == "bwrap" and returncode > 128:
+                    returncode = 128 - returncode
                 if self.uid >= 0:
                     _kill_user(self.uid)
                 limit = self.max_output_bytes
@@ -643,7 +652,7 @@ def check_program(program: str, harness: str, entry_point: str, check: str = "ch
     start = time.perf_counter()
     mode, _ = _chosen(isolation)
     child = _Child(mode, timeout, memory_mb, max_output_bytes)
-    ok, timed_out, detail, proxy = False, False, "", None
+    ok, timed_out, ended, detail, proxy = False, False, False, "", None
     try:
         child.send({"source": program, "name": "candidate", "entry": entry_point})
         ready = child.recv()
@@ -659,15 +668,15 @@ def check_program(program: str, harness: str, entry_point: str, check: str = "ch
     except _Timeout:
         timed_out = True
     except _Ended:
-        pass
+        ended = True
     except Exception as err:                 # the harness failed: a test, or an exception of the candidate's
         detail = f"{type(err).__name__}: {str(err)[:500]}"
     finally:
-        returncode, stdout, stderr, big = child.close()
+        returncode, stdout, stderr, big = child.close(ended)
     if proxy is not None and proxy.violation:
         ok, detail = False, proxy.violation
     if not ok and not detail:
-        detail = "timed out" if timed_out else f"the program ended during the tests (exit code {returncode})"
+        detail = "timed out" if timed_out else f"the program stopped answering (exit code {returncode})"
     status = _status(ok, timed_out, returncode, stderr, detail, big)
     return ExecutionResult(status, returncode, stdout, stderr, time.perf_counter() - start, detail)
 
@@ -682,20 +691,21 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output
     start = time.perf_counter()
     mode, _ = _chosen(isolation)
     child = _Child(mode, timeout, memory_mb, max_output_bytes)
-    finished, timed_out, detail = False, False, ""
+    finished, timed_out, ended, detail = False, False, False, ""
     try:
         child.send({"source": code, "name": "__main__", "entry": None})
         message = child.recv()
         finished = "ready" in message
         detail = "" if finished else ": ".join(map(str, message.get("e", ["?"])))
+        ended = True
         if finished:
             child.proc.wait(timeout=child._left())
     except (_Timeout, subprocess.TimeoutExpired):
         timed_out = True
     except (_Ended, ValueError):
-        pass
+        ended = True
     finally:
-        returncode, stdout, stderr, big = child.close()
+        returncode, stdout, stderr, big = child.close(ended and not timed_out)
     ok = finished and not timed_out and returncode == 0
     status = _status(ok, timed_out, returncode, stderr, detail, big)
     return ExecutionResult(status, returncode, stdout, stderr, time.perf_counter() - start, detail)
