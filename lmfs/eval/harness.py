@@ -24,13 +24,14 @@ import re
 import string
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import numpy as np
 import torch
 
-from lmfs.eval.execution import run_many
+from lmfs.eval.execution import check_program, default_workers
 from lmfs.eval.metrics import pass_at_k
 from lmfs.eval.perplexity import bos_id, target_logprobs, target_logprobs_one_at_a_time
 
@@ -437,15 +438,24 @@ def evaluate_generation(model, tokenizer, items: Sequence[GenItem], n_shot: int 
 
 
 def check_code(problems: Sequence, completions: Sequence[Sequence[str]], timeout: float = 5.0,
-               memory_mb: int = 512, workers: int = 2) -> np.ndarray:
-    """Run each completion against its problem's tests in the sandbox; bool ``(n_problems, n_samples)``.
+               memory_mb: int = 512, workers: int | None = None, isolation: str | None = None) -> np.ndarray:
+    """Judge each completion against its problem's tests; bool ``(n_problems, n_samples)``.
 
     A problem has ``prompt``, ``test`` and ``entry_point`` (HumanEval's fields, e.g.
-    :func:`lmfs.eval.tasks.humaneval`); the program is the prompt, the completion, the test code
-    and ``check(entry_point)``.
+    :func:`lmfs.eval.tasks.humaneval`). The candidate, prompt plus completion, runs in the sandbox;
+    the harness, prompt plus test (trusted: from the data set), runs here and calls the candidate's
+    ``entry_point`` through :func:`lmfs.eval.execution.check_program`, so the verdict cannot be
+    written by the completion. ``workers`` runs at a time (default: one per core). The harness's
+    use of the global ``random`` module does not change this process's random state.
     """
-    programs = [f"{p.prompt}{c}\n\n{p.test}\n\ncheck({p.entry_point})\n"
-                for p, cs in zip(problems, completions, strict=True) for c in cs]
-    results = run_many(programs, workers=workers, timeout=timeout, memory_mb=memory_mb)
+    jobs = [(f"{p.prompt}{c}", f"{p.prompt}\n\n{p.test}\n", p.entry_point)
+            for p, cs in zip(problems, completions, strict=True) for c in cs]
+    state = random.getstate()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers or default_workers())) as pool:
+            results = list(pool.map(lambda job: check_program(*job, timeout=timeout, memory_mb=memory_mb,
+                                                              isolation=isolation), jobs))
+    finally:
+        random.setstate(state)
     width = len(completions[0]) if completions else 0
     return np.array([r.passed for r in results], dtype=bool).reshape(len(problems), width)
