@@ -272,6 +272,7 @@ def test_every_explorer_responds_in_the_ui(browser, lab):
         except Exception as err:  # a timeout: say which explorer did not respond
             page.screenshot(path=str(SHOTS / f"explorer-{i:02d}-stuck.png"))
             raise AssertionError(f"explorer {i} ({title}) did not change its view after its {how} moved") from err
+        page.wait_for_timeout(500)   # the text and the image are two widgets: let the second one land too
         explorer.screenshot(path=str(SHOTS / f"explorer-{i:02d}.png"))
         moved.append(f"{title} ({how})")
     print(f"explorers notebook ran in {seconds:.0f} s; {len(moved)} explorers responded: " + "; ".join(moved))
