@@ -234,15 +234,26 @@ _MOVE_JS = """el => {
 _VIEW_JS = """el => {
     const text = el.querySelector('.lmfs-explorer-text');
     const image = el.querySelector('.lmfs-explorer-image');
-    return [text ? text.innerHTML : '', image ? image.getAttribute('src') || '' : ''];
+    const shown = image && image.offsetParent !== null;   // hidden (display: none) without a figure
+    return [text ? text.innerHTML : '', shown ? image.getAttribute('src') || '' : ''];
 }"""
 
-# The view has changed when its text has and, where it has a figure, its image has too (they are two
-# widgets, updated one after the other).
+# The view has changed when its text or its image has (two widgets, updated one after the other).
 _CHANGED_JS = """([i, before, viewJs]) => {
     const now = eval(viewJs)(document.querySelectorAll('.lmfs-explorer')[i]);
-    return now[0] !== before[0] && (before[1] === '' || now[1] !== before[1]);
+    return now[0] !== before[0] || now[1] !== before[1];
 }"""
+
+
+def _settled(explorer, page) -> None:
+    """Wait until the explorer's view stops changing (its second widget has landed too)."""
+    last = explorer.evaluate(_VIEW_JS)
+    for _ in range(40):
+        page.wait_for_timeout(500)
+        now = explorer.evaluate(_VIEW_JS)
+        if now == last:
+            return
+        last = now
 
 
 def test_every_explorer_responds_in_the_ui(browser, lab):
@@ -276,6 +287,7 @@ def test_every_explorer_responds_in_the_ui(browser, lab):
         except Exception as err:  # a timeout: say which explorer did not respond
             page.screenshot(path=str(SHOTS / f"explorer-{i:02d}-stuck.png"))
             raise AssertionError(f"explorer {i} ({title}) did not change its view after its {how} moved") from err
+        _settled(explorer, page)
         explorer.screenshot(path=str(SHOTS / f"explorer-{i:02d}.png"))
         moved.append(f"{title} ({how})")
     print(f"explorers notebook ran in {seconds:.0f} s; {len(moved)} explorers responded: " + "; ".join(moved))

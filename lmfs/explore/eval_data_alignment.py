@@ -303,7 +303,8 @@ def clipped_objective_view(advantage: float, clip: float, ratio: float = 1.0) ->
     for a in (ax, ax2):
         a.grid(alpha=0.3)
     inside = 1 - clip <= ratio <= 1 + clip
-    rows = {"objective at this ratio": float(here), "clipped (no gradient)": "no" if inside else
+    rows = {"advantage A, clip ε, ratio ρ": f"{advantage:+g}, {clip:g}, {ratio:g}",
+            "objective at this ratio": float(here), "clipped (no gradient)": "no" if inside else
             ("yes" if (ratio > 1 + clip and advantage > 0) or (ratio < 1 - clip and advantage < 0) else "no: min keeps ρ·A")}
     return View(table(rows), fig, dict(objective=objective.detach()[:, 0], grad=grad, ratios=ratios, here=float(here)))
 
