@@ -182,7 +182,7 @@ def minhash_view(bands: int, rows: int, num_perm: int = 128) -> View:
 def explore_minhash() -> Explorer:
     """MinHash LSH: bands × rows -> the S-curve, with measured pairs on it."""
     measured_pairs()
-    controls = {"bands": slider(16, 1, 64, description="bands b"), "rows": slider(8, 1, 32, description="rows r")}
+    controls = {"bands": slider(20, 1, 64, description="bands b"), "rows": slider(5, 1, 32, description="rows r")}
     return Explorer("LSH banding: the S-curve", minhash_view, controls)
 
 

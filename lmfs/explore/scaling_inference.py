@@ -193,11 +193,12 @@ def mup_view(width: int, lr: float, base_width: int = 64, config=None) -> View:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     rules = _rules(config, width, base_width)
-    rows = {}
+    groups: dict = {}   # the parameters that share a role and a width multiplier share their rule
     for name, rule in rules.items():
-        if rule.role == "vector":
-            continue
-        rows[name] = f"{rule.role:6s}  lr {lr * rule.lr_mult:.3g}  init ×{rule.init_mult:.3g}"
+        groups.setdefault((rule.role, rule.width_mult), []).append(name)
+    rows = {f"{role} (fan-in ×{mult:g}): {len(names)} tensors, e.g. {names[0]}":
+            f"lr {lr * rules[names[0]].lr_mult:.3g}, init ×{rules[names[0]].init_mult:.3g}"
+            for (role, mult), names in sorted(groups.items())}
     return View(f"width {width} = {width / base_width:g} × base; standard parametrisation: lr {lr:g} everywhere"
                 + table(rows), fig, dict(lr={n: lr * r.lr_mult for n, r in rules.items()}))
 
