@@ -4,7 +4,9 @@ JupyterLab is started as `make lab` starts it (on a free port, with a token), he
 (Debian's package, driven by Playwright without Playwright's own browser download) opens every
 lecture, and runs lecture 01 at smoke scale through the menu (Run > Run All Cells). The checks:
 every lecture renders all its cells, lecture 01 executes every code cell without an error output,
-and its matplotlib plots arrive as images the browser decoded. Screenshots go to build/browser/.
+and its matplotlib plots arrive as images the browser decoded. A small notebook,
+tests/browser/explorers.ipynb, builds every ``lmfs.explore`` explorer; the test moves the first
+control of each through the UI and checks that its view changes. Screenshots go to build/browser/.
 
 Marked ``browser``: skipped without Chromium or Playwright, except under `make test-browser`
 (which sets LMFS_CHROMIUM), where a missing piece is a failure.
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.browser
 CHROMIUM = os.environ.get("LMFS_CHROMIUM", "/usr/bin/chromium")
 REQUIRED = "LMFS_CHROMIUM" in os.environ
 SHOTS = REPO / "build" / "browser"
+EXPLORERS = Path(__file__).parent / "browser" / "explorers.ipynb"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 RUN_TIMEOUT_S = 900  # lecture 01 at smoke scale takes about a minute on 2 cores; the UI adds little
@@ -68,6 +71,7 @@ def lab(tmp_path_factory):
     notebooks.mkdir()
     for path in lecture_paths():
         shutil.copy(path, notebooks / path.name)
+    shutil.copy(EXPLORERS, notebooks / EXPLORERS.name)
     for name, values in LAB_SETTINGS.items():
         target = settings / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +149,8 @@ def _has_kernel(lab, name: str) -> bool:
 
 
 def _cells(name: str) -> list[dict]:
-    return json.loads((LECTURE_DIR / name).read_text())["cells"]
+    path = EXPLORERS if name == EXPLORERS.name else LECTURE_DIR / name
+    return json.loads(path.read_text())["cells"]
 
 
 def test_every_lecture_opens(browser, lab):
@@ -167,12 +172,8 @@ _ERRORS_JS = """() => [...document.querySelectorAll(
     .map(o => o.textContent.slice(0, 1500))"""
 
 
-def test_lecture_01_runs_in_the_ui(browser, lab):
-    name = "01_overview_tokenization.ipynb"
-    if not (LECTURE_DIR / name).exists():
-        pytest.fail(f"{name} is missing from lectures/")
-    n_code = sum(c["cell_type"] == "code" for c in _cells(name))
-    page = _open(browser, lab, name, "run-01")
+def _run_all(page, n_code: int) -> float:
+    """Run > Run All Cells; wait until every code cell has run or one failed; return the seconds."""
     page.click(".lm-MenuBar-itemLabel:text-is('Run')")
     page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
     # Done when every code cell shows an execution count ("[12]:"), or when a cell failed (Run All
@@ -186,7 +187,16 @@ def test_lecture_01_runs_in_the_ui(browser, lab):
             return done === n || eval(errorsJs)().length > 0;
         }""",
         arg=[n_code, _ERRORS_JS], timeout=RUN_TIMEOUT_S * 1000, polling=1000)
-    seconds = time.monotonic() - start
+    return time.monotonic() - start
+
+
+def test_lecture_01_runs_in_the_ui(browser, lab):
+    name = "01_overview_tokenization.ipynb"
+    if not (LECTURE_DIR / name).exists():
+        pytest.fail(f"{name} is missing from lectures/")
+    n_code = sum(c["cell_type"] == "code" for c in _cells(name))
+    page = _open(browser, lab, name, "run-01")
+    seconds = _run_all(page, n_code)
     page.screenshot(path=str(SHOTS / "run-01-end.png"))
 
     errors = page.evaluate(_ERRORS_JS)
@@ -202,4 +212,83 @@ def test_lecture_01_runs_in_the_ui(browser, lab):
     images.first.scroll_into_view_if_needed()
     page.screenshot(path=str(SHOTS / "run-01-plot.png"))
     print(f"lecture 01 ran through the UI in {seconds:.0f} s, {images.count()} plots shown")
+    page.close()
+
+
+# What a learner does to the first control of an explorer: a slider's handle takes arrow keys, a
+# drop-down or list another option, a check box a click, a text field new text. Returns how.
+_MOVE_JS = """el => {
+    const select = el.querySelector('select');
+    if (select) {
+        const i = (select.selectedIndex + 1) % select.options.length;
+        for (const o of select.options) o.selected = false;
+        select.options[i].selected = true;
+        select.dispatchEvent(new Event('change', {bubbles: true}));
+        return 'select';
+    }
+    const box = el.querySelector("input[type='checkbox']");
+    if (box) { box.click(); return 'checkbox'; }
+    return el.querySelector('.noUi-handle') ? 'slider' : 'other';
+}"""
+
+_VIEW_JS = """el => {
+    const text = el.querySelector('.lmfs-explorer-text');
+    const image = el.querySelector('.lmfs-explorer-image');
+    const shown = image && image.offsetParent !== null;   // hidden (display: none) without a figure
+    return [text ? text.innerHTML : '', shown ? image.getAttribute('src') || '' : ''];
+}"""
+
+# The view has changed when its text or its image has (two widgets, updated one after the other).
+_CHANGED_JS = """([i, before, viewJs]) => {
+    const now = eval(viewJs)(document.querySelectorAll('.lmfs-explorer')[i]);
+    return now[0] !== before[0] || now[1] !== before[1];
+}"""
+
+
+def _settled(explorer, page) -> None:
+    """Wait until the explorer's view stops changing (its second widget has landed too)."""
+    last = explorer.evaluate(_VIEW_JS)
+    for _ in range(40):
+        page.wait_for_timeout(500)
+        now = explorer.evaluate(_VIEW_JS)
+        if now == last:
+            return
+        last = now
+
+
+def test_every_explorer_responds_in_the_ui(browser, lab):
+    """Build every explorer in JupyterLab, move the first control of each, see its view change."""
+    name = EXPLORERS.name
+    cells = _cells(name)
+    n_code = sum(c["cell_type"] == "code" for c in cells)
+    expected = sum("explore_" in "".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    page = _open(browser, lab, name, "explorers")
+    seconds = _run_all(page, n_code)
+    errors = page.evaluate(_ERRORS_JS)
+    assert not errors, "error output in the explorers notebook:\n" + "\n---\n".join(errors)
+    explorers = page.locator(".lmfs-explorer")
+    page.wait_for_function("n => document.querySelectorAll('.lmfs-explorer').length === n", arg=expected,
+                           timeout=60_000)
+    moved = []
+    for i in range(expected):
+        explorer = explorers.nth(i)
+        explorer.scroll_into_view_if_needed()
+        title = explorer.locator("b").first.text_content()
+        before = explorer.evaluate(_VIEW_JS)
+        primary = explorer.locator(".lmfs-explorer-primary").first
+        how = primary.evaluate(_MOVE_JS)
+        if how == "slider":
+            handle = primary.locator(".noUi-handle").first
+            handle.focus()
+            page.keyboard.press("ArrowRight")   # one step: one update
+        assert how != "other", f"explorer {i} ({title}): no control the test knows how to move"
+        try:
+            page.wait_for_function(_CHANGED_JS, arg=[i, before, _VIEW_JS], timeout=60_000, polling=250)
+        except Exception as err:  # a timeout: say which explorer did not respond
+            page.screenshot(path=str(SHOTS / f"explorer-{i:02d}-stuck.png"))
+            raise AssertionError(f"explorer {i} ({title}) did not change its view after its {how} moved") from err
+        _settled(explorer, page)
+        explorer.screenshot(path=str(SHOTS / f"explorer-{i:02d}.png"))
+        moved.append(f"{title} ({how})")
+    print(f"explorers notebook ran in {seconds:.0f} s; {len(moved)} explorers responded: " + "; ".join(moved))
     page.close()
