@@ -265,14 +265,17 @@ class KneserNeyLM:
         context = tuple(context)[len(context) - self.order + 1:] if self.order > 1 else ()
         if len(context) < self.order - 1:  # a short context is padded as at a sentence start
             context = (BOS,) * (self.order - 1 - len(context)) + context
-        return self._prob(word, context)
+        return self.interpolated_prob(word, context)
 
-    def _prob(self, word: str, context: tuple) -> float:
+    def interpolated_prob(self, word: str, context: tuple) -> float:
+        """Interpolated Kneser-Ney: the discounted count of ``context + word`` plus the mass the
+        discounts freed, ``D · types(context) / total``, spread by the next lower order's probability
+        (at the lowest order: uniform). ``context`` is exactly ``order - 1`` words (BOS-padded)."""
         key = (word, context)
         if key in self._cache:
             return self._cache[key]
         k = len(context)  # order index: counts[k] holds (k+1)-grams
-        lower = self._prob(word, context[1:]) if k else 1.0 / len(self.vocab)
+        lower = self.interpolated_prob(word, context[1:]) if k else 1.0 / len(self.vocab)
         total = self._total[k].get(context, 0)
         if total == 0:  # never seen this context: all the mass goes to the lower order
             p = lower
