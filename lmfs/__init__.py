@@ -6,15 +6,8 @@ lectures use lives here, one module per idea; notebooks display it with :func:`l
 
 __version__ = "0.1.0"
 
-import os as _os
-
-import torch as _torch
-
-# Without a CUDA GPU, Triton kernels run through Triton's interpreter, and Triton reads this switch
-# when it is first imported (torch.compile imports it too), so it is set before anything else can.
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# lmfs.env comes first: without a CUDA GPU it sets TRITON_INTERPRET=1 (Triton's interpreter switch)
+# before anything in lmfs can import Triton.
 from lmfs.env import banner, resolve_device, resolve_scale, seed_everything, setup
 from lmfs.show import show
 
