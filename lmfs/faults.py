@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -124,6 +125,15 @@ def _python_path_first(folder: Path):
             os.environ["PYTHONPATH"] = previous
 
 
+def _failing_line(traceback: list[str]) -> str:
+    """The notebook line that raised (IPython marks it ``---->``), without terminal colours."""
+    for entry in traceback or []:
+        for line in re.sub(r"\x1b\[[0-9;]*m", "", entry).splitlines():
+            if line.lstrip().startswith("---->") or line.lstrip().startswith("--->"):
+                return f" at `{line.split('>', 1)[1].strip().lstrip('0123456789').strip()}`"
+    return ""
+
+
 @dataclass
 class FaultResult:
     fault: Fault
@@ -155,7 +165,7 @@ def run_fault(fault: Fault, timeout: int = 300) -> FaultResult:
                     kernel_name="python3", cwd=str(notebook.parent), execution_timeout=timeout,
                     progress_bar=False, extra_arguments=KERNEL_ARGUMENTS)
             except PapermillExecutionError as err:
-                error = f"cell {err.exec_count}: {err.ename}: {err.evalue}"
+                error = f"cell {err.exec_count}: {err.ename}: {err.evalue}{_failing_line(err.traceback)}"
             except Exception as err:  # a cell past its timeout, a dead kernel: the lecture failed too
                 error = f"{type(err).__name__}: {err}"
         seconds = time.perf_counter() - start
