@@ -24,7 +24,8 @@ CONFIGS: dict[str, dict[str, dict]] = {
             bench_bytes=2_000_000,     # throughput comparison with Hugging Face and tiktoken
             bench_vocab=2_000,
             stream_lines=20_000,       # lines fed through encode_iterable in the memory demo
-            chunk_bytes=64_000,        # parallel pre-tokenization: bytes per chunk (about 5 chunks)
+            parallel_bytes=3_000_000,  # parallel pre-tokenization: the training text repeated to this size,
+            chunk_bytes=500_000,       # so that counting takes long enough for a second process to pay off
         ),
         "full": dict(
             corpus_bytes=5_000_000,    # pydoc (the default CORPUS) holds about 0.47 MB in all
@@ -35,6 +36,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             bench_bytes=10_000_000,    # `make bench-tokenizer` runs the 30 MB benchmark
             bench_vocab=10_000,
             stream_lines=100_000,
+            parallel_bytes=20_000_000,
             chunk_bytes=1_000_000,
         ),
     },
