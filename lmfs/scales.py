@@ -251,7 +251,8 @@ CONFIGS: dict[str, dict[str, dict]] = {
             micro_batches=4,
             moe=dict(tokens=32, d_model=16, d_ff=32, n_experts=8),
             ring=dict(batch=2, heads=2, seq_len=32, head_dim=8),
-            bubble=dict(stages=4, micro_batches=(1, 2, 4, 8), forward_ms=20, backward_ms=40),
+            # Sleeps long enough that late wake-ups of a busy CPU (a few ms) stay small against them.
+            bubble=dict(stages=4, micro_batches=(1, 2, 4, 8), forward_ms=50, backward_ms=100),
             atol=1e-5,                     # parameters after training vs single-process training
             throughput=None,               # needs 2 GPUs: the full scale runs it
         ),
