@@ -26,7 +26,7 @@ BOOK_FROM ?= build
 CHROMIUM  ?= /usr/bin/chromium
 
 .PHONY: help venv lab test unit test-browser lectures book clean-notebooks check-notebooks \
-        wheelhouse gpu-suite bench-tokenizer clean
+        check-lectures wheelhouse gpu-suite bench-tokenizer clean
 
 help:
 	@echo "make lab              JupyterLab on lectures/ (creates .venv on first use)"
@@ -37,6 +37,7 @@ help:
 	@echo "                      build/browser/ (needs: apt-get install chromium)"
 	@echo "make lectures         run notebooks with papermill into build/ (SCALE=, DEVICE=, ONLY=)"
 	@echo "make book             executed notebooks in BOOK_FROM (default build/) -> HTML site in build/book/"
+	@echo "make check-lectures  each lecture at smoke with one fault planted in lmfs (lmfs/faults.py): it must fail (ONLY=)"
 	@echo "make clean-notebooks  strip outputs from lectures/*.ipynb"
 	@echo "make check-notebooks  list notebooks not stored clean (outputs, kernel, parameters cell)"
 	@echo "make wheelhouse       download the wheels the GPU machine lacks into .wheelhouse/"
@@ -88,6 +89,11 @@ lectures: venv
 
 book: venv
 	$(BIN)/python -m lmfs.lectures book --from $(BOOK_FROM) --out build/book
+
+# Proves the lectures' checks bite: each runs at smoke scale against a copy of lmfs with one planted
+# fault (the list is lmfs/faults.py) and must fail; prints lecture | fault | caught | seconds.
+check-lectures: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m lmfs.faults $(if $(ONLY),--only $(ONLY))
 
 clean-notebooks: venv
 	$(BIN)/python -m lmfs.lectures clean

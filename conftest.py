@@ -1,20 +1,29 @@
-"""Repository-wide pytest set-up: Triton's interpreter switch, and a per-file duration table.
+"""Repository-wide pytest set-up: notebook kernels in a learner's environment, and a per-file
+duration table.
 
 nbval reports each notebook cell as its own test, so pytest's ``--durations`` lists cells; this
 table adds them up per notebook (and per test file), which is the number the README records.
 """
 
-import os
 from collections import defaultdict
 
-import torch
+import pytest
 
-# Triton reads TRITON_INTERPRET when it is first imported, and some torch modules a test imports
-# (e.g. the FLOP counter) import it before lmfs can set the switch: set it here, first of all.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from lmfs.env import kernel_environment
 
 _seconds: dict[str, float] = defaultdict(float)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """nbval starts a notebook's kernel while setting up its first cell, and the kernel inherits
+    this process's environment, where ``import lmfs`` set TRITON_INTERPRET=1. A learner's kernel
+    in JupyterLab has no such variable, so the kernel starts without it (unless the user set it)."""
+    if type(item).__module__.startswith("nbval"):
+        with kernel_environment():
+            yield
+    else:
+        yield
 
 
 def pytest_runtest_logreport(report):

@@ -17,6 +17,8 @@ import os
 import platform
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +26,42 @@ import torch
 
 __version__ = "0.1.0"   # the package version (pyproject.toml says the same)
 
+# Without a CUDA GPU, Triton kernels run through Triton's interpreter. Triton builds its library
+# (tl.sum, tl.max, ...) for one mode when it is first imported, reading TRITON_INTERPRET, so the
+# switch is set when lmfs is imported, before any lmfs module imports Triton. (Something imported
+# before lmfs may have imported Triton already: lmfs.kernels repairs that case, see
+# lmfs.kernels._triton.) The value the user started Python with is kept for kernel_environment.
+USER_TRITON_INTERPRET: str | None = os.environ.get("TRITON_INTERPRET")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SCALES = ("smoke", "full")
 DEVICES = ("cpu", "cuda", "mps")
+
+
+@contextmanager
+def kernel_environment() -> Iterator[None]:
+    """While active, ``os.environ`` is what the user started Python with as far as lmfs's own
+    switches go: ``TRITON_INTERPRET`` as it was before lmfs set it (absent if it was absent).
+
+    Notebook kernels (papermill's, nbval's) inherit the environment of the process that starts
+    them. Started from a process that imported lmfs, they would get TRITON_INTERPRET=1 for free,
+    which a learner's kernel in JupyterLab does not have; a notebook that only works with it would
+    then pass its tests and fail for the learner. Start kernels inside this context instead.
+    """
+    current = os.environ.get("TRITON_INTERPRET")
+    _set_env("TRITON_INTERPRET", USER_TRITON_INTERPRET)
+    try:
+        yield
+    finally:
+        _set_env("TRITON_INTERPRET", current)
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _has_mps() -> bool:

@@ -161,19 +161,25 @@ KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=ERROR"]
 
 def run_lecture(path: Path, out_dir: Path, scale: str, device: str, timeout: int,
                 extra_parameters: dict | None = None) -> RunResult:
-    """Execute one notebook with papermill into ``out_dir``; never raises for a failing notebook."""
+    """Execute one notebook with papermill into ``out_dir``; never raises for a failing notebook.
+
+    The kernel starts in the environment the user started Python with (:func:`lmfs.env.kernel_environment`),
+    not with the switches ``import lmfs`` set in this process, as a kernel in JupyterLab would."""
     import papermill
+
+    from lmfs.env import kernel_environment
 
     out_dir.mkdir(parents=True, exist_ok=True)
     output = out_dir / path.name
     params = {"SCALE": scale, "DEVICE": device, **(extra_parameters or {})}
     start = time.perf_counter()
     try:
-        papermill.execute_notebook(
-            str(path), str(output), parameters=params, kernel_name="python3",
-            cwd=str(path.parent), execution_timeout=timeout, progress_bar=False,
-            extra_arguments=KERNEL_ARGUMENTS,
-        )
+        with kernel_environment():
+            papermill.execute_notebook(
+                str(path), str(output), parameters=params, kernel_name="python3",
+                cwd=str(path.parent), execution_timeout=timeout, progress_bar=False,
+                extra_arguments=KERNEL_ARGUMENTS,
+            )
         status, error = "ok", ""
     except Exception as err:  # papermill raises PapermillExecutionError; keep going with the rest
         status, error = "failed", f"{type(err).__name__}: {str(err)[-2000:]}"

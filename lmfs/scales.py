@@ -24,7 +24,8 @@ CONFIGS: dict[str, dict[str, dict]] = {
             bench_bytes=2_000_000,     # throughput comparison with Hugging Face and tiktoken
             bench_vocab=2_000,
             stream_lines=20_000,       # lines fed through encode_iterable in the memory demo
-            chunk_bytes=64_000,        # parallel pre-tokenization: bytes per chunk (about 5 chunks)
+            parallel_bytes=3_000_000,  # parallel pre-tokenization: the training text repeated to this size,
+            chunk_bytes=500_000,       # so that counting takes long enough for a second process to pay off
         ),
         "full": dict(
             corpus_bytes=5_000_000,    # pydoc (the default CORPUS) holds about 0.47 MB in all
@@ -35,6 +36,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             bench_bytes=10_000_000,    # `make bench-tokenizer` runs the 30 MB benchmark
             bench_vocab=10_000,
             stream_lines=100_000,
+            parallel_bytes=20_000_000,
             chunk_bytes=1_000_000,
         ),
     },
@@ -81,12 +83,12 @@ CONFIGS: dict[str, dict[str, dict]] = {
             corpus_bytes=1_000_000,    # text tokenized for the ablations (CORPUS, default "stdlib")
             vocab_size=512,
             d_model=64,                # the base (LLaMA-like) model; each ablation changes one field
-            n_layers=2,
+            n_layers=4,                # depth is what post-norm handles badly: 2 layers hide it
             n_heads=4,
             context_length=64,
             batch_size=16,
-            steps=50,                  # per ablation run
-            lr=3e-3,                   # base learning rate (SwiGLU/ReLU and position ablations)
+            steps=100,                 # per ablation run: pre < post, QK-norm < none, RoPE < learned (seeds 0, 1)
+            lr=1e-2,                   # base learning rate; a 100-step run needs the high one too
             high_lr=1e-2,              # pre/post-norm and QK-norm ablations
             warmup_steps=5,
             eval_every=10,
@@ -249,7 +251,8 @@ CONFIGS: dict[str, dict[str, dict]] = {
             micro_batches=4,
             moe=dict(tokens=32, d_model=16, d_ff=32, n_experts=8),
             ring=dict(batch=2, heads=2, seq_len=32, head_dim=8),
-            bubble=dict(stages=4, micro_batches=(1, 2, 4, 8), forward_ms=20, backward_ms=40),
+            # Sleeps long enough that late wake-ups of a busy CPU (a few ms) stay small against them.
+            bubble=dict(stages=4, micro_batches=(1, 2, 4, 8), forward_ms=50, backward_ms=100),
             atol=1e-5,                     # parameters after training vs single-process training
             throughput=None,               # needs 2 GPUs: the full scale runs it
         ),

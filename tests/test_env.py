@@ -64,3 +64,17 @@ def test_cuda_is_chosen_on_a_gpu(monkeypatch):
     assert resolve_scale("auto") == "full"
     assert default_dtype("cuda") == torch.bfloat16
     assert torch.cuda.get_device_name() in banner("full", torch.device("cuda"))
+
+
+def test_kernel_environment_drops_the_switch_lmfs_set(monkeypatch):
+    """Kernels started inside kernel_environment see TRITON_INTERPRET as the user had it."""
+    import os
+
+    import lmfs.env
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for user_value in (None, "0"):
+        monkeypatch.setattr(lmfs.env, "USER_TRITON_INTERPRET", user_value)
+        with lmfs.env.kernel_environment():
+            assert os.environ.get("TRITON_INTERPRET") == user_value
+        assert os.environ["TRITON_INTERPRET"] == "1"

@@ -16,7 +16,7 @@ import lmfs.kernels.loss as loss_module
 from lmfs.kernels import INTERPRET, linear_cross_entropy
 from lmfs.kernels.fused import (ChunkedLossLM, FusedAttention, FusedEmbedding, FusedGatedMLP, FusedRMSNorm, fuse_model,
                                 fused_linear, rope_qkv, swiglu)
-from lmfs.kernels.loss import _LinearCrossEntropy, cross_entropy_rows
+from lmfs.kernels.loss import LinearCrossEntropy, cross_entropy_rows
 from lmfs.nn import CausalSelfAttention, Embedding, GatedMLP, Linear, RMSNorm, TransformerConfig, TransformerLM
 from lmfs.nn.positions import apply_rope, rope_angles
 
@@ -335,7 +335,7 @@ def test_linear_cross_entropy_kernel_path_matches_pytorch_path(z_loss):
     results = []
     for kernel in (False, True):
         h_, w_ = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = _LinearCrossEntropy.apply(h_, w_, targets, z_loss, None, 10, True, kernel)  # 4 chunks
+        loss = LinearCrossEntropy.apply(h_, w_, targets, z_loss, None, 10, True, kernel)  # 4 chunks
         results.append([loss, *torch.autograd.grad(loss, (h_, w_))])
     assert_all_close(results[1], results[0])
 

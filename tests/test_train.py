@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import os
 import random
 import signal
@@ -14,7 +15,7 @@ import torch
 import lmfs.train.loop as loop
 from lmfs.nn import TransformerConfig, TransformerLM, count_params
 from lmfs.train import (TrainConfig, ablate, accumulate_gradients, activation_checkpointing,
-                        check_trained, compare_runs, estimate_loss, get_batch, load_checkpoint,
+                        check_trained, compare_runs, estimate_loss, get_batch, load_checkpoint, unigram_loss,
                         make_optimizer, plot_runs, prepare_tokens, restore_rng_state, results_table,
                         rng_state, save_checkpoint, smooth, tokenize_to_memmap, train)
 from lmfs.train.__main__ import main as cli
@@ -337,6 +338,8 @@ def test_ablate_trains_each_variant_from_the_same_start():
     check_trained(runs, ["base"], drop=0.5)
     with pytest.raises(AssertionError, match="did not go down by 100"):
         check_trained(runs, drop=100)
+    with pytest.raises(AssertionError, match="is not below 0.000"):
+        check_trained(runs, ["base"], below=0.0)
 
     import matplotlib
 
@@ -519,3 +522,10 @@ def test_command_line_run_killed_mid_way_resumes_to_the_same_result(tmp_path):
     np.testing.assert_allclose(history_b["val_loss"], history_a["val_loss"], rtol=0, atol=1e-6)
     for name, tensor in weights_a.items():
         torch.testing.assert_close(weights_b[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_unigram_loss_by_hand():
+    # counts + 1 over 3 tokens: [2+1, 1+1, 0+1] / 6; val [0, 1] -> -(ln(1/2) + ln(1/3)) / 2
+    assert abs(unigram_loss(np.array([0, 0, 1]), np.array([0, 1]), 3) - (math.log(2) + math.log(3)) / 2) < 1e-12
+    with pytest.raises(ValueError, match="vocab_size"):
+        unigram_loss(np.array([0, 5]), np.array([0]), 3)

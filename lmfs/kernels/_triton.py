@@ -5,7 +5,8 @@ source with NumPy, one program at a time: slow, but every line executes, so a CP
 check the kernels against PyTorch at small sizes. The switch is the environment variable
 ``TRITON_INTERPRET=1``, and Triton reads it when a kernel is *defined* (``@triton.jit``), so it
 must be set before any kernel module is imported. Every kernel module imports ``triton`` from
-here, which guarantees that order.
+here, which guarantees that order; ``import lmfs`` sets the switch, and if Triton was imported
+before it, without the switch, this module imports Triton's Python modules again.
 
 ``INTERPRET`` is true without a CUDA GPU, or when the user set ``TRITON_INTERPRET=1`` already.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
@@ -28,24 +30,48 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+def _interpreted(tl_module) -> bool:
+    """Whether Triton's library was built for the interpreter (its ``tl.sum`` is interpreted)."""
+    return type(tl_module.sum).__name__ == "InterpretedFunction"
+
+
+def _reimport_triton_for_the_interpreter() -> None:
+    """Import Triton's Python modules afresh, now that TRITON_INTERPRET=1 is set.
+
+    Something imported before lmfs (torch's FLOP counter, torch.compile, a user's ``import
+    triton``) may have imported Triton while the switch was off; its library (tl.sum, tl.max, ...)
+    was then built for compiling, which the interpreter cannot call, and on a machine without a GPU
+    nothing can be compiled anyway. Dropping the Python modules from ``sys.modules`` (the compiled
+    extension ``triton._C`` stays loaded: it cannot be loaded twice) and importing again builds the
+    library for the interpreter. Objects made before keep pointing at the old modules; lmfs's
+    kernels, defined after this, use the new ones.
+    """
+    stale = [name for name in sys.modules
+             if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")]
+    for name in stale:
+        del sys.modules[name]
+
+
 try:
-    import triton
     import triton.language as tl
+
+    if INTERPRET and not _interpreted(tl):
+        _reimport_triton_for_the_interpreter()
+        import triton.language as tl
+    import triton
 except ImportError as err:  # e.g. macOS or Windows, where no triton wheel exists
     raise ImportError(
         "lmfs.kernels needs the 'triton' package (pip install triton; wheels exist for Linux). "
         "The PyTorch references in lmfs.nn work without it."
     ) from err
 
-if INTERPRET and type(tl.sum).__name__ != "InterpretedFunction":
-    # Triton was imported before the switch was set (by torch.compile, or by printing its version):
-    # its own library (tl.sum, tl.max, ...) was then built for compiling and the interpreter cannot
-    # call it. Reloading Triton inside a running process is not safe, so say how to avoid it.
+if INTERPRET and not _interpreted(tl):
     raise ImportError(
         "lmfs.kernels: no CUDA GPU here, so Triton must run in its interpreter, but triton was already "
-        "imported without TRITON_INTERPRET=1. Restart Python (or the notebook kernel) and import "
-        "lmfs.kernels before anything that imports triton, or set TRITON_INTERPRET=1 in the "
-        "environment before starting Python."
+        "imported without TRITON_INTERPRET=1 and importing it again did not switch it. Restart Python "
+        "(or the notebook kernel) and import lmfs before anything that imports triton, or set "
+        "TRITON_INTERPRET=1 in the environment before starting Python."
     )
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -155,8 +155,12 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, scale: torch
 # The head and the loss, chunk by chunk
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss forward; the gradient with respect to the logits is made in the same pass and kept."""
+class LinearCrossEntropy(torch.autograd.Function):
+    """The chunked loss as an autograd Function (:func:`linear_cross_entropy` is the entry point).
+
+    Forward: for each chunk of rows, the logits ``h @ weight.T``, their loss and, in the same pass,
+    the gradient of the mean loss with respect to them, ``(softmax - onehot) / n``; only that
+    gradient is kept. Backward: the output layer's two matmuls with the kept gradient."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, z_loss, softcap, chunk, need_grad, kernel):
@@ -238,4 +242,4 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     chunk = chunk or default_chunk(weight.shape[0])
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     kernel = kernel and h.is_cuda and softcap is None
-    return _LinearCrossEntropy.apply(h, weight, targets, z_loss, softcap, chunk, need_grad, kernel)
+    return LinearCrossEntropy.apply(h, weight, targets, z_loss, softcap, chunk, need_grad, kernel)

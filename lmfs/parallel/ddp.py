@@ -149,20 +149,23 @@ class GradBuckets:
         self.launch = launch
         self.next_to_launch = 0
         # Without ``launch`` this only decides the flat layout (ZeRO-1 reduces at step time).
-        self.handles = ([p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        self.handles = ([p.register_post_accumulate_grad_hook(self.grad_ready) for p in params]
                         if launch is not None else [])
 
-    def _grad_ready(self, p: nn.Parameter):
-        # Runs inside backward, right after autograd wrote p.grad.
+    def grad_ready(self, p: nn.Parameter):
+        """The hook autograd calls inside backward, right after it wrote ``p.grad``: copy the
+        gradient into its bucket's flat tensor and launch every bucket that is now complete."""
         bucket, i = self.where[p]
         if i in bucket.seen:
             raise RuntimeError("a parameter received a second gradient before the gradients were "
                                "synchronised: call finish_gradient_sync() (or the optimizer's step) "
                                "after every backward(); accumulating micro-batches is not supported")
         bucket.write_grad(i)
-        self._launch_ready(force=False)
+        self.launch_ready(force=False)
 
-    def _launch_ready(self, force: bool):
+    def launch_ready(self, force: bool):
+        """Launch the all-reduce of the complete buckets, in bucket order (every rank must launch
+        its collectives in the same order); ``force`` launches the rest too, at the end of backward."""
         while self.next_to_launch < len(self.buckets):
             bucket = self.buckets[self.next_to_launch]
             if not force and len(bucket.seen) < len(bucket.params):
@@ -175,7 +178,7 @@ class GradBuckets:
 
     def finish(self):
         """Launch what is left (buckets with unused parameters) and wait for every bucket."""
-        self._launch_ready(force=True)
+        self.launch_ready(force=True)
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.work = None

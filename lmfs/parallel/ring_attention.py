@@ -17,7 +17,7 @@ needs the usual triangular mask, and blocks from later ranks are skipped (all ma
 makes the work unequal (rank ``n-1`` computes ``n`` blocks, rank 0 one); production systems
 split the sequence in ``2n`` chunks and give rank ``r`` chunks ``r`` and ``2n-1-r`` to balance it.
 
-Backward (:class:`_RingAttention`) goes round the ring again, recomputing each block's
+Backward (:class:`RingAttention`) goes round the ring again, recomputing each block's
 probabilities from the saved ``ℓ`` (FlashAttention's backward), while the gradients for ``K``
 and ``V`` travel with their block and arrive back at its owner after the last step.
 """
@@ -56,7 +56,12 @@ def _scores(q, k, scale, diagonal: bool):
     return s
 
 
-class _RingAttention(torch.autograd.Function):
+class RingAttention(torch.autograd.Function):
+    """Ring attention as an autograd Function: ``RingAttention.apply(q, k, v, causal, group)`` with
+    each rank holding one contiguous slice of the sequence. Forward passes the K/V blocks round the
+    ring, merging each block's partial attention into the output by its log-sum-exp; backward goes
+    round again with the blocks and their gradients. :func:`ring_attention` is the entry point."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, group):
         n, r = dist.get_world_size(group), dist.get_rank(group)
@@ -129,7 +134,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must have the same (B, H, T/n, d) shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (repeat K/V heads for GQA first)")
-    return _RingAttention.apply(q, k, v, causal, group)
+    return RingAttention.apply(q, k, v, causal, group)
 
 
 def check_ring_attention(rank: int, world_size: int, batch: int = 2, heads: int = 2, seq_len: int = 32,

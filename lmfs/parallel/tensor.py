@@ -65,7 +65,11 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-class _CopyToTP(torch.autograd.Function):
+class CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: the identity going forward (every tensor-parallel rank already holds the
+    whole input), an all-reduce of the gradient going back (each rank's slice of the layer made
+    only part of the input's gradient). Placed before a column-parallel linear."""
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -78,7 +82,11 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``, the mirror of :class:`CopyToTP`: an all-reduce going forward (each rank's
+    row-parallel linear made a partial sum of the output), the identity going back (every rank
+    needs the whole output gradient). Placed after a row-parallel linear."""
+
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
@@ -114,12 +122,12 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 def copy_to_tp(x, group=None):
     """f: identity forward, all-reduce of the gradient backward."""
-    return _CopyToTP.apply(x, group)
+    return CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x, group=None):
     """g: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, group)
+    return ReduceFromTP.apply(x, group)
 
 
 def gather_sequence(x, dim: int = 1, group=None):

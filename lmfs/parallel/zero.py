@@ -275,7 +275,7 @@ class FullyShardedModel(nn.Module):
             unit = self._shard(m, names)
             if unit is not None:
                 self.units.append(unit)
-                m.register_forward_pre_hook(partial(self._pre_forward, unit))
+                m.register_forward_pre_hook(partial(self.pre_forward, unit))
                 m.register_forward_hook(partial(self._post_forward, unit))
         self.shards = nn.ParameterList([u.shard for u in self.units])
         self._live: dict[int, _Unit] = {}  # id(gathered tensor) -> unit, during forward
@@ -320,7 +320,9 @@ class FullyShardedModel(nn.Module):
 
     # -- hooks --------------------------------------------------------------------------------
 
-    def _pre_forward(self, unit: _Unit, module, args):
+    def pre_forward(self, unit: _Unit, module, args):
+        """The forward pre-hook of each unit: all-gather its parameter shards into one full tensor
+        and point every parameter of the unit at its slice of it, just before the unit runs."""
         full = _GatherParams.apply(unit.shard, self, unit)
         unit.full = full
         self._live[id(full)] = unit
@@ -333,17 +335,19 @@ class FullyShardedModel(nn.Module):
         self._live.pop(id(unit.full), None)
         unit.full = None  # nothing else refers to the gathered tensor: it is freed here
 
-    def _pack(self, t: torch.Tensor):
-        # Autograd calls this for every tensor it saves in forward: keep a view of gathered
-        # parameters as a _ParamRef, so the gathered tensor can be freed after its unit ran.
+    def pack(self, t: torch.Tensor):
+        """Autograd calls this for every tensor it saves in forward: a view of gathered parameters
+        is kept as a reference to its unit instead, so the gathered tensor can be freed after the
+        unit ran."""
         base = t._base if t._base is not None else t
         unit = self._live.get(id(base))
         if unit is not None and unit.full is base:
             return _ParamRef(unit, t)
         return t
 
-    def _unpack(self, saved):
-        # ... and this when backward needs it: gather the unit again (once per backward).
+    def unpack(self, saved):
+        """... and this when backward needs a saved tensor: a reference to a unit's parameters
+        gathers the unit again (once per backward) and returns the view."""
         if not isinstance(saved, _ParamRef):
             return saved
         unit = saved.unit
@@ -352,7 +356,7 @@ class FullyShardedModel(nn.Module):
         return unit.full_for_backward.as_strided(saved.size, saved.stride, saved.offset)
 
     def forward(self, *args, **kwargs):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             return self.module(*args, **kwargs)
 
     @torch.no_grad()

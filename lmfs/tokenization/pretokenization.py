@@ -162,8 +162,12 @@ def find_chunk_boundaries(path: str | os.PathLike, n_chunks: int,
     return sorted(set(boundaries))
 
 
-def _count_chunk(args: tuple[str, int, int, tuple[str, ...]]) -> Counter[str]:
-    """Worker: read bytes ``[start, end)`` of the file and count its pre-tokens."""
+def count_chunk(args: tuple[str, int, int, tuple[str, ...]]) -> Counter[str]:
+    """One worker's share of :func:`count_pretokens_in_file`: read bytes ``[start, end)`` of the
+    file (``args = (path, start, end, special_tokens)``) and count the pre-tokens of that chunk.
+
+    A chunk starts at a special token (or at the start of the file), so its pre-tokens are exactly
+    those the whole file has there, and the counts of all chunks add up to the file's counts."""
     path, start, end, special_tokens = args
     with open(path, "rb") as f:
         f.seek(start)
@@ -208,10 +212,10 @@ def count_pretokens_in_file(path: str | os.PathLike, special_tokens: Sequence[st
     total: Counter[str] = Counter()
     if num_workers == 1 or len(jobs) == 1:
         for job in jobs:
-            total.update(_count_chunk(job))
+            total.update(count_chunk(job))
         return total
     with _pool_context().Pool(min(num_workers, len(jobs))) as pool:
         # Unordered: whichever chunk is done first is added first; addition does not care.
-        for counts in pool.imap_unordered(_count_chunk, jobs):
+        for counts in pool.imap_unordered(count_chunk, jobs):
             total.update(counts)
     return total

@@ -10,7 +10,7 @@
 * :mod:`lmfs.train.loop`: ``TrainConfig``, ``train``, ``History`` and the pieces of a step.
 * :mod:`lmfs.train.checkpoint`: ``save_checkpoint``, ``load_checkpoint`` (atomic, resumable).
 * :mod:`lmfs.train.experiments`: ``ablate`` (train variants of one model), ``smooth``, ``plot_runs``,
-  ``compare_runs``, ``results_table``, ``check_trained``.
+  ``compare_runs``, ``results_table``, ``check_trained``, ``unigram_loss``.
 
 ``python -m lmfs.train --help`` trains a small model from the command line.
 """
@@ -18,7 +18,7 @@
 from lmfs.train.checkpoint import load_checkpoint, restore_rng_state, rng_state, save_checkpoint
 from lmfs.train.data import TokenData, get_batch, prepare_tokens, tokenize_to_memmap
 from lmfs.train.experiments import (Run, ablate, check_trained, compare_runs, plot_runs, results_table,
-                                    smooth, split_changes)
+                                    smooth, split_changes, unigram_loss)
 from lmfs.train.loop import (History, TrainConfig, accumulate_gradients, activation_checkpointing,
                              estimate_loss, make_optimizer, resolve_autocast, train)
 
@@ -27,5 +27,5 @@ __all__ = [
     "activation_checkpointing", "check_trained", "compare_runs", "estimate_loss", "get_batch",
     "load_checkpoint", "make_optimizer", "plot_runs", "prepare_tokens", "resolve_autocast",
     "restore_rng_state", "results_table", "rng_state", "save_checkpoint", "smooth", "split_changes",
-    "tokenize_to_memmap", "train",
+    "tokenize_to_memmap", "train", "unigram_loss",
 ]

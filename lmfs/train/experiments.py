@@ -14,7 +14,8 @@ discipline is what makes two loss curves comparable, so it lives here once:
 * :func:`smooth` is a trailing running mean, to see the trend of a noisy training loss.
 * :func:`plot_runs` draws runs on one axis; :func:`compare_runs` draws several such panels.
 * :func:`results_table` puts the final losses, sizes and times in one DataFrame.
-* :func:`check_trained` asserts what must hold for any run that trained at all.
+* :func:`check_trained` asserts what must hold for any run that trained at all;
+  :func:`unigram_loss` is the loss of a model that ignores context, the bar a trained LM must clear.
 """
 
 from __future__ import annotations
@@ -180,11 +181,24 @@ def results_table(runs: Mapping[str, Run], last: int = 10):
     ]).set_index("run")
 
 
-def check_trained(runs: Mapping[str, Run], names: Sequence[str] | None = None, drop: float = 0.5) -> None:
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy on ``val`` (nats per token) of a unigram model: each token's frequency in
+    ``train`` (plus one, so no token has probability 0). A language model that has learned only how
+    common each token is reaches this loss; anything that uses context must go below it."""
+    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab_size).astype(np.float64) + 1
+    if len(counts) != vocab_size:
+        raise ValueError(f"unigram_loss: token ids reach {len(counts) - 1}, beyond vocab_size={vocab_size}")
+    log_p = np.log(counts / counts.sum())
+    return float(-log_p[np.asarray(val, dtype=np.int64)].mean())
+
+
+def check_trained(runs: Mapping[str, Run], names: Sequence[str] | None = None, drop: float = 0.5,
+                  below: float | None = None) -> None:
     """Assert that each run learned something: every loss finite, and both the mean of the last
     five training losses and the final validation loss at least ``drop`` nats below the first loss.
+    With ``below`` (e.g. :func:`unigram_loss`), the final validation loss must also be under it.
 
-    This holds at any scale, however short the run; which variant wins is a separate question.
+    The drop holds at any scale, however short the run; which variant wins is a separate question.
     """
     for name in (list(runs) if names is None else names):
         h = runs[name].history
@@ -195,3 +209,7 @@ def check_trained(runs: Mapping[str, Run], names: Sequence[str] | None = None, d
         if h.val_loss:
             assert h.val_loss[-1] < first - drop, \
                 f"{name}: validation loss did not go down by {drop} from {first:.2f}"
+        if below is not None:
+            assert h.val_loss, f"{name}: no validation loss to compare with {below:.3f}"
+            assert h.val_loss[-1] < below, \
+                f"{name}: final validation loss {h.val_loss[-1]:.3f} is not below {below:.3f}"
