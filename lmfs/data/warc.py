@@ -240,7 +240,7 @@ def _warc_records(path: Path, stats: StageStats):
                 yield headers, content, "truncated"
                 return
             tail = stream.read(4 + len(_RECORD_START))
-            if tail in (b"", b"\r\n\r\n") or tail.startswith(b"\r\n\r\n" + _RECORD_START):
+            if tail.startswith(b"\r\n\r\n") or b"\r\n\r\n".startswith(tail):  # the record's end, or the file's
                 stream.unread(tail[4:])
                 yield headers, content, None
                 continue
