@@ -137,6 +137,15 @@ def test_a_planted_pickle_in_the_output_folder_is_refused_not_run(tmp_path):
     again = run_pipeline(shards, tmp_path / "out", workers=1, progress=False)
     assert not flag.exists() and again.skipped["sign"] == 1 and _texts(again) == _texts(first)
 
+    # A well-formed file put in place of a finished one (every text "equal"): its hash differs from
+    # the marker's, so it is not reused.
+    with np.load(sig, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["hashes"][:] = 7
+    np.savez(sig.with_suffix(""), **arrays)
+    again = run_pipeline(shards, tmp_path / "out", workers=1, progress=False)
+    assert again.skipped["sign"] == 1 and _texts(again) == _texts(first)
+
     # The marker rewritten to match the planted file: loading refuses it, the shard is signed again.
     _plant(sig, flag)
     marker = sig.with_name(sig.name + ".done.json")
