@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import html as _html
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -84,7 +85,10 @@ class _TextCollector:
         self.skip_depth = 0          # > 0 while inside an element whose text is dropped
         self.content_depth = 0       # > 0 while inside <article> or <main>
         self.pre = 0
-        self.stack: list[tuple[str, bool]] = []  # open elements: (tag, did it start a skip?)
+        # Open elements and whether each started a skip, as two lists of shared objects (interned
+        # names, bools): a page of 100,000 nested tags allocates nothing per tag that lives on.
+        self.tags: list[str] = []
+        self.skips: list[bool] = []
         self.open = Counter()        # open elements by name: an end tag without an open match costs O(1)
         self.parts: list = []        # str, _Verbatim, or a break strength
 
@@ -118,7 +122,8 @@ class _TextCollector:
                 self._break(_PARA)
             return
         skips = self._skips(tag, attrs)
-        self.stack.append((tag, skips))
+        self.tags.append(tag)
+        self.skips.append(skips)
         self.open[tag] += 1
         self.skip_depth += skips
         self.pre += tag == "pre"
@@ -129,8 +134,8 @@ class _TextCollector:
         # Close up to the matching open tag: real pages leave <p>, <li> and friends unclosed.
         if not self.open[tag]:
             return
-        while self.stack:
-            t, skips = self.stack.pop()
+        while self.tags:
+            t, skips = self.tags.pop(), self.skips.pop()
             self.open[t] -= 1
             self._break(_PARA if t in _PARAGRAPH else _BR if t in _LINE else 0)
             self.skip_depth -= skips
@@ -213,7 +218,7 @@ def _feed(collector: _TextCollector, html: str, deadline: float | None) -> None:
         elif nxt == "/":
             tag = _END_TAG.match(html, lt)
             if tag is not None:
-                collector.end(tag.group(1).lower())
+                collector.end(sys.intern(tag.group(1).lower()))
                 pos = tag.end()
             else:                                              # "</ x>", "</>": a bogus comment to ">"
                 end = html.find(">", lt + 2)
@@ -222,7 +227,7 @@ def _feed(collector: _TextCollector, html: str, deadline: float | None) -> None:
             tag = _START_TAG.match(html, lt)
             if tag is None:                                    # a tag cut by the end of the page: dropped
                 break
-            name = tag.group(1).lower()
+            name = sys.intern(tag.group(1).lower())
             collector.start(name, tag.group(2))
             pos = tag.end()
             if name in _RAW_TEXT and not tag.group(2).rstrip().endswith("/"):

@@ -290,9 +290,10 @@ def load_signatures(path: Path, num_perm: int, bands: int) -> dict[str, np.ndarr
             raise ValueError(f"{path}: {k} is {a.dtype} with {a.ndim} dimensions, expected {np.dtype(dtype)}, {ndim}")
     ends = arrays["url_ends"]
     if (arrays["sigs"].shape != (n, num_perm) or arrays["keys"].shape != (n, bands) or len(ends) != n
-            or len(arrays["line_offsets"]) != n or (n and (ends[-1] != len(arrays["url_bytes"]) or (np.diff(ends) < 0).any()
-                                                             or ends[0] < 0))):
+            or len(arrays["line_offsets"]) != n):
         raise ValueError(f"{path}: array shapes do not agree with {n} documents, {num_perm} hashes, {bands} bands")
+    if n and (ends[0] < 0 or ends[-1] != len(arrays["url_bytes"]) or (np.diff(ends) < 0).any()):
+        raise ValueError(f"{path}: url_ends do not cut url_bytes into {n} urls")
     return arrays
 
 

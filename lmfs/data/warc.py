@@ -233,7 +233,8 @@ def _warc_records(path: Path, stats: StageStats):
             if length < 0:
                 skipped = stream.skip_to(b"\n" + _RECORD_START)
                 stream.read(1)
-                yield headers, None, f"no valid Content-Length ({headers.get('content-length')!r}); skipped {skipped:,} bytes"
+                yield headers, None, (f"no valid Content-Length ({headers.get('content-length')!r}); "
+                                      f"skipped {skipped:,} bytes")
                 continue
             content = stream.read(length)
             if len(content) < length:
