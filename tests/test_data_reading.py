@@ -113,7 +113,7 @@ def test_sample_site_is_deterministic_and_complete(tmp_path):
 
 @pytest.mark.parametrize("html, want", [
     ("<p>Fish &amp; chips</p><script>x = '<p>'</script>", "Fish & chips"),
-    ("<nav>Menu</nav><article><h1>T</h1><p>Body.</p></article><footer>f</footer>", "T\nBody."),
+    ("<nav>Menu</nav><article><h1>T</h1><p>Body.</p></article><footer>f</footer>", "T\n\nBody."),
     ("<div id='cookie-consent'>Accept</div><p>a<br>b</p>", "a\nb"),
     ("<div class='related' role='navigation'>next | previous</div><p>x</p>", "x"),
     ("<ul><li>one<li>two</ul>", "one\ntwo"),
@@ -189,7 +189,8 @@ def test_langid_learns_the_sample_languages():
     ("2001:db8::1 and 2001:0db8:0000:0000:0000:ff00:0042:8329", {"ipv6": 2}),
     ("12:30:45 x[::2] ::1", {}),
     ("(555) 123-4567 555.123.4567 +1 555 123 4567 +49 30 1234 5678", {"phone": 4}),
-    ("year 2024, 5551234567, 1,000,000", {}),
+    ("(555)-123-4567, 5551234567 and +1 5551234567", {"phone": 3}),
+    ("year 2024, 1,000,000, Unix time 1733450000, id 0123456789, 55512345678", {}),
 ])
 def test_mask_pii_cases(text, want):
     masked, counts = mask_pii(text)

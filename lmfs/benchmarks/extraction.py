@@ -5,8 +5,9 @@
 One process, on the crawl of lecture 13 (installed Debian documentation, else the generated site;
 ``--warc`` reads any WARC file instead). Each measurement is the best of ``--repeats`` runs:
 
-a. **read**: records/s of :func:`lmfs.data.warc.read_warc` (``fastwarc`` underneath, plus the
-   HTTP parsing and bad-record bookkeeping) vs a plain ``warcio`` loop over the same file;
+a. **read**: records/s of :func:`lmfs.data.warc.read_warc` (the record framing checked and
+   resynchronised, the HTTP parsing and bad-record bookkeeping) vs a plain ``warcio`` loop over
+   the same file;
 b. **extract**: pages/s and MB/s of HTML of :func:`lmfs.data.extract.html_to_text` vs
    ``resiliparse`` and ``trafilatura``, on the same decoded pages;
 c. **langid**: documents/s of the lmfs hashed character-n-gram classifier (trained on the
@@ -66,7 +67,7 @@ def main(argv=None) -> dict:
                 if record.rec_type == "response":
                     record.content_stream().read()
     t_lmfs, t_warcio = best_time(lambda: list(read_warc(path)), args.repeats), best_time(warcio_loop, args.repeats)
-    rows.append(dict(part="read", impl="lmfs read_warc (fastwarc)", per_s=len(docs) / t_lmfs, unit="records/s",
+    rows.append(dict(part="read", impl="lmfs read_warc", per_s=len(docs) / t_lmfs, unit="records/s",
                      ratio=t_warcio / t_lmfs))
     rows.append(dict(part="read", impl="warcio", per_s=len(docs) / t_warcio, unit="records/s", ratio=None))
 

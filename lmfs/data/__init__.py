@@ -108,21 +108,30 @@ class Stage:
     """A pipeline step: ``stage(doc)`` returns the document (kept, maybe changed) or ``None``.
 
     Subclasses implement :meth:`apply`, which returns the kept document, or a string saying why the
-    document is removed; ``__call__`` does the counting.
+    document is removed (or a ``(reason, detail)`` pair, the detail shown as the example);
+    ``__call__`` does the counting. An exception raised by :meth:`apply` removes that document
+    only, with the reason ``error: <exception type>`` and the message as the example (the first
+    ones are kept), so one malformed page does not end a shard of thousands.
     """
     name = "stage"
 
     def __init__(self) -> None:
         self.stats = StageStats(self.name)
 
-    def apply(self, doc: Doc) -> Doc | str:
+    def apply(self, doc: Doc) -> Doc | str | tuple[str, str]:
         raise NotImplementedError
 
     def __call__(self, doc: Doc) -> Doc | None:
         self.stats.seen += 1
         start = time.perf_counter()
-        result = self.apply(doc)
+        try:
+            result = self.apply(doc)
+        except Exception as err:  # noqa: BLE001 - any bug or bad input in one document
+            result = (f"error: {type(err).__name__}", f"{type(err).__name__}: {err}")
         self.stats.seconds += time.perf_counter() - start
+        if isinstance(result, tuple):
+            self.stats.remove(result[0], doc, result[1])
+            return None
         if isinstance(result, str):
             self.stats.remove(result, doc)
             return None

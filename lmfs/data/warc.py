@@ -15,7 +15,9 @@ any record by its byte offset (the CDX index stores them) and a damaged record s
 
 :func:`pack_html` turns folders of HTML pages (Debian's documentation packages, any folder) into
 such a file with :func:`write_warc`, so the pipeline reads real people-written pages in the format a
-crawl download has; :func:`read_warc` reads it, or a Common Crawl WARC/WET file, with ``fastwarc``.
+crawl download has; :func:`read_warc` reads it, or a Common Crawl WARC/WET file. A record whose
+``Content-Length`` is wrong costs that record only: the reader checks that each record's content is
+followed by the next ``WARC/1.`` header and otherwise resumes at the next one it finds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import hashlib
 import itertools
 import os
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -142,61 +145,181 @@ def pack_html(roots: Sequence[str | os.PathLike], path: str | os.PathLike, max_p
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 
 
+class _Stream:
+    """A byte stream read by lines and blocks, with bytes pushed back in front (to resynchronise)."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.front = raw, b""
+
+    def readline(self, limit: int = 1 << 16) -> bytes:
+        if self.front:
+            cut = self.front.find(b"\n") + 1
+            if cut:
+                line, self.front = self.front[:cut], self.front[cut:]
+                return line
+            line, self.front = self.front, b""
+            return line + self.raw.readline(limit)
+        return self.raw.readline(limit)
+
+    def read(self, n: int) -> bytes:
+        head, self.front = self.front[:n], self.front[n:]
+        return head + self.raw.read(n - len(head)) if len(head) < n else head
+
+    def unread(self, data: bytes) -> None:
+        self.front = data + self.front
+
+    def skip_to(self, marker: bytes, chunk: int = 1 << 16) -> int:
+        """Drop bytes up to the next ``marker`` (left unread, at the front) or the end; the count dropped."""
+        dropped, buf = 0, b""
+        while True:
+            more = self.read(chunk)
+            buf += more
+            at = buf.find(marker)
+            if at >= 0:
+                self.unread(buf[at:])
+                return dropped + at
+            if not more:
+                return dropped + len(buf)
+            keep = len(marker) - 1             # a marker may straddle two chunks
+            dropped += len(buf) - keep
+            buf = buf[-keep:]
+
+
+_RECORD_START = b"WARC/1."
+
+
+def _warc_records(path: Path, stats: StageStats):
+    """``(headers, content or None, note)`` per WARC record of ``path``, resynchronising on damage.
+
+    A record whose ``Content-Length`` is wrong (its content is not followed by the blank lines and
+    the next ``WARC/1.`` header, or the end of the file) is given as ``(headers, None, why)`` and
+    reading goes on at the next record's header; so do bytes that are not a record at all. A file
+    that does not begin with a WARC record raises ``ValueError``.
+    """
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    raw = gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+    with raw:
+        stream, first = _Stream(raw), True
+        while True:
+            line = stream.readline()
+            while line in (b"\r\n", b"\n"):       # the blank lines after a record
+                line = stream.readline()
+            if not line:
+                if first:
+                    raise ValueError(f"{path} holds no WARC record: it is empty")
+                return
+            if not line.startswith(_RECORD_START):
+                if first:
+                    raise ValueError(f"{path} is not a WARC/WET file: it begins with {line[:60]!r}, not "
+                                     f"'WARC/1.0' (is it a compressed archive of another kind, or text?)")
+                stream.unread(line)
+                skipped = stream.skip_to(b"\n" + _RECORD_START)
+                stream.read(1)
+                yield None, None, f"{skipped:,} bytes that are not a WARC record, skipped to the next header"
+                continue
+            first = False
+            headers: dict[str, str] = {}
+            while True:
+                line = stream.readline()
+                if line in (b"\r\n", b"\n", b""):
+                    break
+                key, _, value = line.decode("utf-8", "replace").partition(":")
+                headers[key.strip().lower()] = value.strip()
+            try:
+                length = int(headers.get("content-length", ""))
+            except ValueError:
+                length = -1
+            if length < 0:
+                skipped = stream.skip_to(b"\n" + _RECORD_START)
+                stream.read(1)
+                yield headers, None, (f"no valid Content-Length ({headers.get('content-length')!r}); "
+                                      f"skipped {skipped:,} bytes")
+                continue
+            content = stream.read(length)
+            if len(content) < length:
+                yield headers, content, "truncated"
+                return
+            tail = stream.read(4 + len(_RECORD_START))
+            if tail.startswith(b"\r\n\r\n") or b"\r\n\r\n".startswith(tail):  # the record's end, or the file's
+                stream.unread(tail[4:])
+                yield headers, content, None
+                continue
+            # The length is wrong: the record really ends where the next header begins.
+            data = content + tail
+            at = data.find(b"\r\n\r\n" + _RECORD_START)
+            if at >= 0:
+                stream.unread(data[at + 4:])
+            else:
+                stream.unread(tail)
+                stream.skip_to(b"\n" + _RECORD_START)
+                stream.read(1)
+            yield headers, None, f"Content-Length {length:,} does not end the record"
+
+
 def read_warc(path: str | os.PathLike, stats: StageStats | None = None) -> Iterator[Doc]:
     """Yield a :class:`Doc` per HTML ``response`` record (WARC) or ``conversion`` record (WET).
 
-    Plain or gzipped files, Common Crawl's included. Records that cannot become a document are
-    skipped and counted in ``stats`` (a ``StageStats("read")`` if none is given) with a reason:
-    ``truncated record`` (the file ends inside it, or its gzip member is cut), ``non-HTML payload``
-    (an image, a PDF, ...), ``empty payload``, ``HTTP status NNN``, ``malformed HTTP response``,
-    ``unreadable record`` (corrupt bytes: reading stops there, the records before are kept); records of other types
-    (``request``, ``metadata``, ``warcinfo``) are counted in ``stats.counts``, not as documents.
+    Plain or gzipped files (one gzip member per record, or the whole file), Common Crawl's included.
+    Records that cannot become a document are skipped and counted in ``stats`` (a
+    ``StageStats("read")`` if none is given) with a reason: ``truncated record`` (the file ends
+    inside it, or its gzip member is cut), ``wrong Content-Length`` (its content is not followed by
+    the next record: reading resumes at the next ``WARC/1.`` header, so the records after it are
+    kept), ``non-HTML payload`` (an image, a PDF, ...), ``empty payload``, ``HTTP status NNN``,
+    ``malformed HTTP response``, ``unreadable record`` (bytes that are not a record, skipped to the
+    next header; or a corrupt gzip stream, where reading stops and the records before are kept).
+    Records of other types (``request``, ``metadata``, ``warcinfo``) are counted in
+    ``stats.counts``, not as documents. A file that does not begin with a WARC record (random
+    bytes, plain text, another archive format) raises ``ValueError``.
     """
-    from fastwarc.warc import ArchiveIterator, WarcRecordType
-
     stats = stats if stats is not None else StageStats("read")
-    if not Path(path).is_file():
+    path = Path(path)
+    if not path.is_file():
         raise FileNotFoundError(f"{path}: no such WARC/WET file (pack one with `python -m lmfs.data crawl`)")
-    wanted = WarcRecordType.response | WarcRecordType.conversion
-    # parse_http=False: the HTTP head is parsed below, where a bad one is counted rather than raised;
-    # fastwarc detects gzip itself (stream_detect).
-    records = iter(ArchiveIterator(str(path), record_types=WarcRecordType.any_type, parse_http=False))
+    records = _warc_records(path, stats)
     while True:
         try:
-            record = next(records)
+            headers, content, note = next(records)
         except StopIteration:
             return
-        except Exception as err:  # a corrupt gzip member or header block: the rest cannot be located
+        except (OSError, EOFError, zlib.error) as err:
+            # A corrupt or cut gzip stream: the records after this point cannot be located.
             stats.seen += 1
-            stats.remove("unreadable record", None, f"{type(err).__name__}: {err}")
+            reason = "truncated record" if isinstance(err, EOFError) else "unreadable record"
+            stats.remove(reason, None, f"{type(err).__name__}: {err}")
             return
-        rtype = record.record_type
-        if not rtype & wanted:
-            stats.counts[f"{rtype} records"] += 1
+        if headers is None:
+            stats.seen += 1
+            stats.remove("unreadable record", None, note)
+            continue
+        rtype = headers.get("warc-type", "").lower()
+        if rtype not in ("response", "conversion"):
+            stats.counts[f"{rtype or 'untyped'} records"] += 1
             continue
         stats.seen += 1
-        url = record.headers.get("WARC-Target-URI", "")
-        content = record.reader.read()
-        doc = Doc(url=url, meta={"record_id": record.headers.get("WARC-Record-ID", ""),
-                                 "date": record.headers.get("WARC-Date", "")})
-        if len(content) < record.content_length:
-            stats.remove("truncated record", doc, f"{len(content)} of {record.content_length} bytes")
+        doc = Doc(url=headers.get("warc-target-uri", ""),
+                  meta={"record_id": headers.get("warc-record-id", ""), "date": headers.get("warc-date", "")})
+        if note == "truncated":
+            stats.remove("truncated record", doc, f"{len(content)} of {headers['content-length']} bytes")
             continue
-        if rtype == WarcRecordType.conversion:  # WET: the text is the content
+        if content is None:
+            stats.remove("wrong Content-Length", doc, note)
+            continue
+        if rtype == "conversion":  # WET: the text is the content
             doc.text = content.decode("utf-8", "replace")
             if not doc.text.strip():
                 stats.remove("empty payload", doc)
                 continue
         else:
             head, sep, body = content.partition(b"\r\n\r\n")
-            status, headers = _http_head(head)
+            status, http = _http_head(head)
             if not sep or status is None:
                 stats.remove("malformed HTTP response", doc, head[:200].decode("latin-1"))
                 continue
             if status != 200:
                 stats.remove(f"HTTP status {status}", doc, head[:200].decode("latin-1"))
                 continue
-            doc.content_type = headers.get("content-type", "")
+            doc.content_type = http.get("content-type", "")
             mime = doc.content_type.split(";")[0].strip().lower()
             if mime not in HTML_TYPES:
                 stats.remove("non-HTML payload", doc, f"Content-Type: {doc.content_type or '(none)'}")
