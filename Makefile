@@ -82,6 +82,13 @@ test-browser: $(BIN)/.installed-browser
 	  tests/test_browser.py; \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no browser test: failing"; exit 1; fi; exit $$rc
 
+# A mistyped SCALE stops make at once with one line, before .venv is set up or a kernel starts.
+ifneq ($(filter lectures,$(MAKECMDGOALS)),)
+ifeq ($(filter $(SCALE),smoke full auto),)
+$(error SCALE=$(SCALE) is not a scale: use SCALE=smoke (minutes on a CPU), SCALE=full (a GPU) or SCALE=auto)
+endif
+endif
+
 lectures: venv
 	$(BIN)/python -m lmfs.lectures run --scale $(SCALE) --device $(DEVICE) --out build $(if $(ONLY),--only $(ONLY))
 

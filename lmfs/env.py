@@ -13,11 +13,15 @@ the test suite chooses a scale; papermill's ``-p SCALE full`` overrides through 
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import random
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -92,6 +96,44 @@ def seed_everything(seed: int = 0) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def cache_dir(name: str) -> Path:
+    """The folder for the cache ``name`` (``"tokens"``, ``"alignment"``), created if missing.
+
+    The root is ``$LMFS_CACHE`` when set, else ``lmfs`` in the user's cache folder as the XDG
+    base-directory rule defines it: ``$XDG_CACHE_HOME`` when set to an absolute path, else
+    ``~/.cache``. A cache in the user's own folder, not the shared temporary one, cannot be
+    planted or read by other users of the machine, and survives the temporary folder's clean-up.
+    """
+    root = os.environ.get("LMFS_CACHE")
+    if root:
+        base = Path(root).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        base = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "lmfs"
+    folder = base / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def scratch_dir(prefix: str = "lmfs-") -> Path:
+    """A new empty folder in the temporary folder, removed with everything in it when the process
+    exits (a notebook's kernel at its shutdown, a script at its end).
+
+    For a notebook's working files (a crawl, a sweep's runs, checkpoints), which the lecture reads
+    back in later cells and so cannot put in a ``with`` block; ``shutil.rmtree`` removes it
+    sooner. Only the process that made it removes it: a forked child that exits leaves it alone.
+    """
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    owner = os.getpid()
+
+    def remove():
+        if os.getpid() == owner:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(remove)
+    return folder
 
 
 def _version(package: str) -> str:
