@@ -208,6 +208,7 @@ def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeou
     scale = resolve_scale(scale)
     device = str(resolve_device(device))
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     paths = lecture_paths(only)
     if not paths:
         raise ValueError(f"no lecture notebooks matched {only!r} in {LECTURE_DIR}")
