@@ -117,14 +117,25 @@ def cache_dir(name: str) -> Path:
     return folder
 
 
+# Removes the folder named by argv[1] once its stdin reaches end of file, that is once every process
+# holding the pipe's other end (the process that made the folder, and any it forked) has exited.
+_REMOVER = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
+_removers: list = []  # the pipes to the removers stay open as long as this process lives
+
+
 def scratch_dir(prefix: str = "lmfs-") -> Path:
     """A new empty folder in the temporary folder, removed with everything in it when the process
-    exits (a notebook's kernel at its shutdown, a script at its end).
+    that made it ends: at a normal exit (a script's end, a notebook kernel's shutdown) and also
+    when it is killed (nbval stops its kernels with SIGKILL; a job can be preempted).
 
     For a notebook's working files (a crawl, a sweep's runs, checkpoints), which the lecture reads
     back in later cells and so cannot put in a ``with`` block; ``shutil.rmtree`` removes it
-    sooner. Only the process that made it removes it: a forked child that exits leaves it alone.
+    sooner. A normal exit removes it at once (``atexit``); for a killed process a small helper
+    process started here, which waits on a pipe from this one, removes it when the pipe closes.
+    Only the process that made it removes it at exit: a forked child that exits leaves it alone.
     """
+    import subprocess
+
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     owner = os.getpid()
 
@@ -133,6 +144,9 @@ def scratch_dir(prefix: str = "lmfs-") -> Path:
             shutil.rmtree(folder, ignore_errors=True)
 
     atexit.register(remove)
+    # Its own session, so that a signal to this process's group (a kernel being stopped) spares it.
+    _removers.append(subprocess.Popen([sys.executable, "-I", "-c", _REMOVER, str(folder)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
     return folder
 
 

@@ -9,9 +9,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -55,42 +57,65 @@ def _python(code: str, tmp: Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_scratch_dir_is_removed_when_its_process_exits(tmp_path):
+def _gone(folder: Path, seconds: float = 30.0) -> bool:
+    """Whether ``folder`` disappears within ``seconds`` (a killed process's remover runs on its own)."""
+    deadline = time.monotonic() + seconds
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not folder.exists()
+
+
+@pytest.mark.slow  # a Python process that imports torch: a few seconds on a busy 2-core machine
+def test_scratch_dir_is_removed_when_its_process_exits_or_is_killed(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     done = _python("""
-        import os, sys
+        import os, signal
         from lmfs.env import scratch_dir
-        folder = scratch_dir("lmfs-test-")
-        (folder / "sub").mkdir()
-        (folder / "sub" / "file.txt").write_text("x")
-        if os.fork() == 0:          # a forked child that exits normally leaves its parent's folder alone
-            sys.exit(0)
-        os.wait()
-        assert (folder / "sub" / "file.txt").exists()
-        print(folder)
+        kept = scratch_dir("lmfs-exits-")
+        (kept / "sub").mkdir()
+        (kept / "sub" / "file.txt").write_text("x")
+        child = os.fork()
+        if child == 0:              # a forked child makes its own folder and is killed:
+            killed = scratch_dir("lmfs-killed-")     # no atexit, no finally, as a preempted job ends
+            (killed / "file.txt").write_text("x")
+            print(killed, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.waitpid(child, 0)
+        assert (kept / "sub" / "file.txt").exists()  # the parent's folder outlives the child
+        print(kept, flush=True)
     """, tmp)
     assert done.returncode == 0, done.stderr
-    assert Path(done.stdout.strip()).parent == tmp
-    assert not list(tmp.iterdir())
+    killed, kept = map(Path, done.stdout.split())
+    assert killed.parent == kept.parent == tmp
+    assert not kept.exists()          # removed at the normal exit, before the process ended
+    assert _gone(killed) and not list(tmp.iterdir())
 
 
 @pytest.mark.slow  # starts a Jupyter kernel (a few seconds)
-def test_scratch_dir_is_removed_when_a_notebook_kernel_shuts_down(tmp_path, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
+def test_scratch_dir_is_removed_when_nbval_kills_the_notebook_kernel(tmp_path, monkeypatch):
+    """nbval ends its kernels with shutdown_kernel(now=True), a SIGKILL (papermill shuts them down:
+    a normal exit, as in the test above)."""
+    from jupyter_client.manager import start_new_kernel
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))            # the kernel inherits the environment
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("from lmfs.env import scratch_dir\nwork = scratch_dir('lmfs-nb-')\n"
-                                          "(work / 'crawl.bin').write_bytes(b'x' * 1000)\nprint(work)")]
-    NotebookClient(nb, kernel_name="python3", timeout=120).execute()
-    printed = nb.cells[0].outputs[0]["text"].strip()
-    assert Path(printed).parent == tmp
-    assert not [p.name for p in tmp.iterdir()]  # gone with the kernel, as nbval and papermill shut it down
+    km, kc = start_new_kernel(kernel_name="python3")
+    printed = []
+    try:
+        reply = kc.execute_interactive(
+            "from lmfs.env import scratch_dir\nwork = scratch_dir('lmfs-nb-')\n"
+            "(work / 'crawl.bin').write_bytes(b'x' * 1000)\nprint(work)", timeout=120,
+            output_hook=lambda msg: printed.append(msg["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    folder = Path("".join(printed).strip())
+    assert folder.parent == tmp
+    assert _gone(folder) and not list(tmp.iterdir())
 
 
 def _lecture_sources() -> dict[str, str]:

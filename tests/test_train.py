@@ -509,6 +509,26 @@ def test_command_line_resume_refuses_another_tokenizer(tmp_path, monkeypatch, ca
     assert "the tokenizer built now" in message and "encodes text differently" in message
 
 
+def test_command_line_threads_1_repeats_a_cpu_run_bit_for_bit(tmp_path, monkeypatch, capsys):
+    """The docstrings' claim: with one torch thread two runs with the same arguments are identical
+    (with several, reductions split across threads may add up in another order each run)."""
+    monkeypatch.setenv("LMFS_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # --threads must override whatever the process had
+        for name in ("a.pt", "b.pt"):
+            cli(CLI_ARGS + ["--threads", "1", "--out", str(tmp_path / name)])
+            assert torch.get_num_threads() == 1
+            torch.set_num_threads(2)
+    finally:
+        torch.set_num_threads(threads)
+    (step_a, history_a, weights_a), (step_b, history_b, weights_b) = (final_state(tmp_path / n) for n in ("a.pt", "b.pt"))
+    assert history_a["loss"] == history_b["loss"] and history_a["val_loss"] == history_b["val_loss"]
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert "bit for bit with ``--threads 1``" in sys.modules[cli.__module__].__doc__
+    assert "with one torch thread" in loop.train.__doc__ and "drift apart" in loop.train.__doc__
+
+
 def test_command_line_errors_name_the_flags(tmp_path, capsys):
     message = cli_error(["--steps", "-5"], capsys)
     assert "--steps -5 must be a positive integer" in message and "warmup" not in message

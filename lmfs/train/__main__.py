@@ -13,8 +13,8 @@ checkpoint was written with other settings (corpus, sizes, steps, batch, learnin
 seed, or a tokenizer that encodes differently), and names each one that differs.
 
 On a CPU, two runs with the same arguments are identical bit for bit with ``--threads 1``; with
-several threads, reductions split across threads add in an order that can change from run to
-run, and the losses then drift apart in their last digits after a few dozen steps.
+several threads, reductions split across threads add up in an order that can change from run to
+run, and the losses then drift apart in their last digits after a dozen or more steps.
 """
 
 import argparse

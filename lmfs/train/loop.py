@@ -261,9 +261,9 @@ def train(model: torch.nn.Module, data: np.ndarray, config: TrainConfig, *,
     ``device`` defaults to where the model's parameters are (pass ``"auto"`` or a device to
     move it). ``optimizer`` defaults to :func:`make_optimizer`. The batches come from a
     generator seeded with ``config.seed``, so the same seed and model see the same batches. On a
-    CPU with one torch thread (``torch.set_num_threads(1)``) two such runs are identical bit for
-    bit; with several threads, reductions split across threads may add in another order from one
-    run to the next, and the losses drift apart in their last digits after some dozens of steps.
+    CPU with one torch thread (``torch.set_num_threads(1)``) two such runs are identical, bit for
+    bit; with several threads, reductions split across threads may add up in another order from
+    one run to the next, and the losses drift apart in their last digits after a dozen or more steps.
     With ``config.checkpoint_path`` a checkpoint is written every ``checkpoint_every`` steps and
     at the end, holding ``checkpoint_extra`` beside the history; ``resume=True`` continues from it
     (model, optimizer, step, history, batch order and random generators all as they were), or
