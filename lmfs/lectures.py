@@ -10,12 +10,12 @@ Command line (what make lectures, book, clean-notebooks and check-notebooks run)
     python -m lmfs.lectures clean  # strip outputs/execution counts from lectures/*.ipynb
     python -m lmfs.lectures check  # report hygiene problems, exit 1 if any
 
-The run command writes lectures.json (scale, device, and per lecture: status and seconds) beside the
-executed notebooks. The table command turns one or more of those files (say a smoke run on a CPU and a full
-run on a GPU) into the README's markdown lecture table; --update replaces the lines between
-<!-- lectures:start --> and <!-- lectures:end --> in the given file. The book command renders the
-executed notebooks of a folder to HTML pages with an index.html, so the results of a full-scale
-run can be read without a GPU.
+The run command writes lectures.json (scale, device, and per lecture: status and seconds) beside
+the executed notebooks. The table command turns one or more of those files (say a smoke run on a
+CPU and a full run on a GPU) into the README's markdown lecture table; --update replaces the lines
+between <!-- lectures:start --> and <!-- lectures:end --> in the given file. The book command
+renders the executed notebooks of a folder to HTML pages with an index.html, so the results of a
+full-scale run can be read without a GPU.
 """
 
 from __future__ import annotations
@@ -208,10 +208,10 @@ def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeou
     scale = resolve_scale(scale)
     device = str(resolve_device(device))
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = lecture_paths(only)
     if not paths:
-        raise ValueError(f"no lecture notebooks matched {only!r} in {LECTURE_DIR}")
+        raise SystemExit(f"no lecture notebooks matched {only!r} in {LECTURE_DIR}")
+    out.mkdir(parents=True, exist_ok=True)
     results = []
     for path in paths:
         print(f"running {path.name} (scale={scale}, device={device}) ...", flush=True)
