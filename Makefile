@@ -67,10 +67,20 @@ lab: venv
 # parallel tests start share the cores; with torch's default of one thread per core each, they
 # oversubscribe them (a smoke lecture took 140 s instead of 15 s next to the gloo tests).
 # The browser test has its own target (it runs a lecture in a browser, alone).
+# The run gets a private, empty TMPDIR, and fails if anything is left in it afterwards besides the
+# caches of pytest (pytest-of-USER, its tmp_path folders) and of torch.compile (torchinductor_USER):
+# every test and every lecture removes the temporary folders it makes. The folder itself goes.
 test: venv
-	@OMP_NUM_THREADS=1 LMFS_SCALE=$(TEST_SCALE) LMFS_DEVICE=$(DEVICE) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
+	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/lmfs-make-test-XXXXXX") || exit 1; \
+	TMPDIR=$$tmp OMP_NUM_THREADS=1 LMFS_SCALE=$(TEST_SCALE) LMFS_DEVICE=$(DEVICE) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
 	  --nbval-lax --durations=15 -p no:cacheprovider -m "not browser" tests lectures; \
-	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+	rc=$$?; \
+	left=$$(cd "$$tmp" && for f in * .[!.]*; do [ -e "$$f" ] || continue; \
+	  case "$$f" in pytest-of-*|torchinductor_*) ;; *) echo "$$f";; esac; done); \
+	rm -rf "$$tmp"; \
+	if [ -n "$$left" ]; then echo "make test left these in its private TMPDIR (each test and lecture must remove its temporary files):"; \
+	  echo "$$left" | sed 's/^/  /'; [ $$rc -eq 0 ] && rc=1; fi; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 unit: venv
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile -p no:cacheprovider -m "not browser" tests
@@ -83,6 +93,13 @@ test-browser: $(BIN)/.installed-browser
 	@LMFS_CHROMIUM=$(CHROMIUM) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -m browser -rs \
 	  tests/test_browser.py; \
 	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no browser test: failing"; exit 1; fi; exit $$rc
+
+# A mistyped SCALE stops make at once with one line, before .venv is set up or a kernel starts.
+ifneq ($(filter lectures,$(MAKECMDGOALS)),)
+ifeq ($(filter $(SCALE),smoke full auto),)
+$(error SCALE=$(SCALE) is not a scale: use SCALE=smoke (minutes on a CPU), SCALE=full (a GPU) or SCALE=auto)
+endif
+endif
 
 lectures: venv
 	$(BIN)/python -m lmfs.lectures run --scale $(SCALE) --device $(DEVICE) --out build $(if $(ONLY),--only $(ONLY))

@@ -13,13 +13,17 @@ the test suite chooses a scale; papermill's ``-p SCALE full`` overrides through 
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import random
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -130,6 +134,58 @@ def seed_everything(seed: int = 0) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def cache_dir(name: str) -> Path:
+    """The folder for the cache ``name`` (``"tokens"``, ``"alignment"``), created if missing.
+
+    The root is ``$LMFS_CACHE`` when set, else ``lmfs`` in the user's cache folder as the XDG
+    base-directory rule defines it: ``$XDG_CACHE_HOME`` when set to an absolute path, else
+    ``~/.cache``. A cache in the user's own folder, not the shared temporary one, cannot be
+    planted or read by other users of the machine, and survives the temporary folder's clean-up.
+    """
+    root = os.environ.get("LMFS_CACHE")
+    if root:
+        base = Path(root).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        base = (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "lmfs"
+    folder = base / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+# Removes the folder named by argv[1] once its stdin reaches end of file, that is once every process
+# holding the pipe's other end (the process that made the folder, and any it forked) has exited.
+_REMOVER = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
+_removers: list = []  # the pipes to the removers stay open as long as this process lives
+
+
+def scratch_dir(prefix: str = "lmfs-") -> Path:
+    """A new empty folder in the temporary folder, removed with everything in it when the process
+    that made it ends: at a normal exit (a script's end, a notebook kernel's shutdown) and also
+    when it is killed (nbval stops its kernels with SIGKILL; a job can be preempted).
+
+    For a notebook's working files (a crawl, a sweep's runs, checkpoints), which the lecture reads
+    back in later cells and so cannot put in a ``with`` block; ``shutil.rmtree`` removes it
+    sooner. A normal exit removes it at once (``atexit``); for a killed process a small helper
+    process started here, which waits on a pipe from this one, removes it when the pipe closes.
+    Only the process that made it removes it at exit: a forked child that exits leaves it alone.
+    """
+    import subprocess
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    owner = os.getpid()
+
+    def remove():
+        if os.getpid() == owner:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(remove)
+    # Its own session, so that a signal to this process's group (a kernel being stopped) spares it.
+    _removers.append(subprocess.Popen([sys.executable, "-I", "-c", _REMOVER, str(folder)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    return folder
 
 
 def _version(package: str) -> str:

@@ -1,6 +1,6 @@
 """The lecture list, notebook hygiene, running lectures with papermill, the lecture table, the book.
 
-Command line (the Makefile's ``lectures``, ``book``, ``clean-notebooks`` and ``check-notebooks``)::
+Command line (what make lectures, book, clean-notebooks and check-notebooks run):
 
     python -m lmfs.lectures run   [--scale smoke|full|auto] [--device auto|cpu|cuda] [--only 01 06]
                                   [--out build] [--timeout 900]
@@ -10,12 +10,12 @@ Command line (the Makefile's ``lectures``, ``book``, ``clean-notebooks`` and ``c
     python -m lmfs.lectures clean  # strip outputs/execution counts from lectures/*.ipynb
     python -m lmfs.lectures check  # report hygiene problems, exit 1 if any
 
-``run`` writes ``lectures.json`` (scale, device, and per lecture: status and seconds) beside the
-executed notebooks. ``table`` turns one or more of those files (say a smoke run on a CPU and a full
-run on a GPU) into the README's markdown lecture table; ``--update`` replaces the lines between
-``<!-- lectures:start -->`` and ``<!-- lectures:end -->`` in the given file. ``book`` renders the
-executed notebooks of a folder to HTML pages with an ``index.html``, so the results of a full-scale
-run can be read without a GPU.
+The run command writes lectures.json (scale, device, and per lecture: status and seconds) beside
+the executed notebooks. The table command turns one or more of those files (say a smoke run on a
+CPU and a full run on a GPU) into the README's markdown lecture table; --update replaces the lines
+between <!-- lectures:start --> and <!-- lectures:end --> in the given file. The book command
+renders the executed notebooks of a folder to HTML pages with an index.html, so the results of a
+full-scale run can be read without a GPU.
 """
 
 from __future__ import annotations
@@ -73,7 +73,20 @@ LECTURE_FILENAMES = {lec.filename for lec in LECTURES}
 
 
 def lecture_paths(only: list[str] | None = None) -> list[Path]:
-    """The notebooks present in ``lectures/``, in order; ``only`` filters by number or stem."""
+    """The notebooks present in ``lectures/``, in order; ``only`` filters by number or stem.
+
+    A key of ``only`` that names no lecture raises ``ValueError`` saying so (with the lecture it
+    probably means: ``1`` -> ``01``), instead of being skipped.
+    """
+    unknown = [key for key in (only or []) if not any(key in (lec.number, lec.stem, lec.filename) for lec in LECTURES)]
+    if unknown:
+        hints = []
+        for key in unknown:
+            guess = key.zfill(2) if key.isdigit() else None
+            hint = f"{key!r}" + (f" (did you mean {guess}?)" if guess in {lec.number for lec in LECTURES} else "")
+            hints.append(hint)
+        raise ValueError(f"no lecture {', '.join(hints)}: name lectures by number, "
+                         f"{LECTURES[0].number} to {LECTURES[-1].number}, or by notebook name")
     paths = []
     for lec in LECTURES:
         path = LECTURE_DIR / lec.filename
@@ -204,6 +217,7 @@ def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeou
     paths = lecture_paths(only)
     if not paths:
         raise SystemExit(f"no lecture notebooks matched {only!r} in {LECTURE_DIR}")
+    out.mkdir(parents=True, exist_ok=True)
     results = []
     for path in paths:
         print(f"running {path.name} (scale={scale}, device={device}) ...", flush=True)
@@ -215,6 +229,8 @@ def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeou
     (out / "lectures.md").write_text(f"scale={scale} device={device}\n\n{table}\n")
     (out / "lectures.json").write_text(json.dumps(
         {"scale": scale, "device": device, "results": [r.__dict__ for r in results]}, indent=1))
+    print(f"executed notebooks, lectures.md and lectures.json in {out.resolve()}/ "
+          "(`make book` turns them into HTML pages)")
     return results
 
 
@@ -384,6 +400,18 @@ def main(argv=None) -> int:
     sub.add_parser("check", help="list hygiene problems")
     args = parser.parse_args(argv)
     if args.cmd == "run":
+        from lmfs.env import SCALES, resolve_device
+
+        # Bad arguments get one line naming the option (and the make variable that sets it), not a traceback.
+        if args.scale.strip().lower() not in (*SCALES, "auto"):
+            run.exit(2, f"{run.prog}: error: --scale {args.scale} (make: SCALE=) is not one of "
+                        f"{', '.join(SCALES)}, auto\n")
+        try:
+            resolve_device(args.device)
+            lecture_paths(args.only)
+        except (ValueError, RuntimeError) as err:
+            option = "--device (make: DEVICE=)" if "device" in str(err) else "--only (make: ONLY=)"
+            run.exit(2, f"{run.prog}: error: {option}: {err}\n")
         results = run_lectures(args.only, args.scale, args.device, args.out, args.timeout)
         return 0 if all(r.status == "ok" for r in results) else 1
     if args.cmd == "table":

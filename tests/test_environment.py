@@ -50,6 +50,26 @@ def test_environment_yml_matches_pyproject():
     missing = {_name(r) for r in expected} - {_name(r) for r in pip_reqs}
     extra = {_name(r) for r in pip_reqs} - {_name(r) for r in expected}
     assert not missing and not extra, f"only in pyproject: {sorted(missing)}; only in environment.yml: {sorted(extra)}"
+    # The same versions too: every bound and cap (ipykernel<7) and platform marker, not just the names.
+    wanted = {_name(r): _requirement(r) for r in expected}
+    differing = [f"{_name(r)}: environment.yml {r!r}, pyproject {wanted[_name(r)][3]!r}"
+                 for r in pip_reqs if _requirement(r)[:3] != wanted[_name(r)][:3]]
+    assert not differing, "version requirements differ:\n" + "\n".join(differing)
+
+
+def _requirement(line: str) -> tuple:
+    """A requirement line as (extras, version specifiers, marker, the line), compared by meaning:
+    ``ipykernel>=6.25,<7`` equals ``ipykernel <7, >=6.25``."""
+    from packaging.requirements import Requirement
+
+    req = Requirement(line)
+    return (frozenset(req.extras), req.specifier, str(req.marker) if req.marker else None, line)
+
+
+def test_requirement_comparison_sees_versions():
+    assert _requirement("ipykernel>=6.25,<7")[:3] == _requirement("ipykernel <7, >=6.25")[:3]
+    assert _requirement("ipykernel>=6.25")[:3] != _requirement("ipykernel>=6.25,<7")[:3]
+    assert _requirement("triton>=3.0; sys_platform == 'linux'")[:3] != _requirement("triton>=3.0")[:3]
 
 
 def test_python_versions_agree():

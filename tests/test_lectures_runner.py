@@ -104,3 +104,44 @@ def test_table_update_replaces_only_the_block(tmp_path, capsys):
     assert readme.read_text() == text  # idempotent
     with pytest.raises(ValueError, match="lectures:start"):
         replace_block("no markers here", "x")
+
+
+def test_only_names_unknown_lectures_and_suggests_the_number(capsys):
+    from lmfs.lectures import lecture_paths
+
+    with pytest.raises(ValueError, match=r"no lecture '99'"):
+        lecture_paths(["16", "99"])
+    with pytest.raises(ValueError, match=r"no lecture '1' \(did you mean 01\?\)"):
+        lecture_paths(["1"])
+    assert [p.name for p in lecture_paths(["01"])] == [LECTURES[0].filename]
+    for args, wanted in ((["--only", "16", "99"], "--only (make: ONLY=): no lecture '99'"),
+                         (["--scale", "huge"], "--scale huge (make: SCALE=) is not one of smoke, full, auto"),
+                         (["--device", "tpu"], "--device (make: DEVICE=): unknown device 'tpu'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run", *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and wanted in err, err  # one line
+
+
+@pytest.mark.skipif(__import__("shutil").which("make") is None, reason="no make")
+def test_make_lectures_with_a_bad_scale_stops_with_one_line():
+    import subprocess
+
+    from lmfs.lectures import REPO
+
+    # make stops while reading the Makefile, before it would set up .venv or start a kernel.
+    done = subprocess.run(["make", "-s", "-C", str(REPO), "lectures", "SCALE=huge"], capture_output=True, text=True)
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "SCALE=huge is not a scale" in done.stderr, done.stderr
+
+
+def test_run_lectures_says_where_it_wrote_the_notebooks(tmp_path, monkeypatch, capsys):
+    import lmfs.lectures as lectures
+
+    def fake_run(path, out_dir, scale, device, timeout, extra_parameters=None):
+        return lectures.RunResult(path.stem, "ok", 1.0, str(out_dir / path.name))
+
+    monkeypatch.setattr(lectures, "run_lecture", fake_run)
+    lectures.run_lectures(["01"], "smoke", "cpu", tmp_path / "build")
+    printed = capsys.readouterr().out
+    assert f"executed notebooks, lectures.md and lectures.json in {(tmp_path / 'build').resolve()}/" in printed

@@ -5,7 +5,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -453,14 +452,17 @@ def test_config_mismatch_names_every_differing_field(tmp_path):
 # ---------------------------------------------------------------- command line
 
 
+CLI_ARGS = ["--mb", "0.04", "--vocab-size", "300", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--steps", "6", "--batch-size", "4", "--context", "32", "--device", "cpu"]
+
+
 def test_command_line_trains_saves_and_resumes(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the token cache goes under tmp_path
-    args = ["--mb", "0.04", "--vocab-size", "300", "--d-model", "32", "--layers", "1", "--heads", "2",
-            "--steps", "6", "--batch-size", "4", "--context", "32", "--device", "cpu",
-            "--out", str(tmp_path / "cli.pt")]
+    monkeypatch.setenv("LMFS_CACHE", str(tmp_path / "cache"))  # the token cache goes under tmp_path
+    args = CLI_ARGS + ["--out", str(tmp_path / "cli.pt")]
     cli(args)
     out = capsys.readouterr().out
     assert "val loss" in out and "sample:" in out and (tmp_path / "cli.pt").exists()
+    assert list((tmp_path / "cache" / "tokens").iterdir())  # the tokens were cached there
     cli(args + ["--resume"])
     assert "resumed from" in capsys.readouterr().out
 
@@ -470,9 +472,103 @@ def test_command_line_checkpoint_every_needs_out():
         cli(["--checkpoint-every", "5"])
 
 
+def cli_error(args, capsys) -> str:
+    """The one error line ``python -m lmfs.train ARGS`` exits with (argparse's, on stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def trained_checkpoint(tmp_path, monkeypatch, capsys):
+    """A 6-step run of the command line saved to tmp_path/keep.pt, its tokens cached in tmp_path."""
+    monkeypatch.setenv("LMFS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "keep.pt"
+    cli(CLI_ARGS + ["--out", str(path)])
+    capsys.readouterr()
+    return path
+
+
+def test_command_line_refuses_to_overwrite_a_checkpoint(trained_checkpoint, capsys):
+    path = trained_checkpoint
+    before = path.read_bytes()
+    message = cli_error(CLI_ARGS + ["--out", str(path)], capsys)
+    assert f"--out {path} already holds a checkpoint (step 6)" in message
+    assert "--resume" in message and "--force" in message
+    assert path.read_bytes() == before                        # untouched
+    assert "--resume continues --out and --force replaces it" in cli_error(
+        CLI_ARGS + ["--out", str(path), "--resume", "--force"], capsys)
+
+    torch.save({"step": 2}, path)                             # something else stands there: --force replaces it
+    cli(CLI_ARGS + ["--out", str(path), "--force"])
+    assert "resumed from" not in capsys.readouterr().out
+    assert final_state(path)[0] == 6
+
+
+def test_command_line_resume_refuses_other_settings_naming_them(trained_checkpoint, capsys):
+    path = trained_checkpoint
+    before = path.read_bytes()
+    message = cli_error(CLI_ARGS + ["--out", str(path), "--resume", "--lr", "0.001", "--batch-size", "8",
+                                    "--seed", "1", "--corpus", "pydoc"], capsys)
+    assert message.startswith("python -m lmfs.train: error: cannot --resume")
+    for changed in ("--lr 0.003 in the checkpoint, 0.001 now", "--batch-size 4 in the checkpoint, 8 now",
+                    "--seed 0 in the checkpoint, 1 now", "--corpus 'stories' in the checkpoint, 'pydoc' now"):
+        assert changed in message
+    assert "--steps" not in message and "--mb" not in message  # only what differs
+    assert path.read_bytes() == before
+
+
+def test_command_line_resume_refuses_another_tokenizer(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LMFS_CACHE", str(tmp_path / "cache"))
+    from lmfs.data.corpora import generate_stories
+
+    corpus, path = tmp_path / "corpus.txt", tmp_path / "run.pt"
+    corpus.write_text(generate_stories(40_000, seed=0))
+    args = CLI_ARGS + ["--corpus", str(corpus), "--out", str(path), "--steps", "2"]
+    cli(args)
+    corpus.write_text(generate_stories(40_000, seed=5))       # same name, other text: other merges
+    message = cli_error(args + ["--resume"], capsys)
+    assert "the tokenizer built now" in message and "encodes text differently" in message
+
+
+def test_command_line_threads_1_repeats_a_cpu_run_bit_for_bit(tmp_path, monkeypatch, capsys):
+    """The docstrings' claim: with one torch thread two runs with the same arguments are identical
+    (with several, reductions split across threads may add up in another order each run)."""
+    monkeypatch.setenv("LMFS_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # --threads must override whatever the process had
+        for name in ("a.pt", "b.pt"):
+            cli(CLI_ARGS + ["--threads", "1", "--out", str(tmp_path / name)])
+            assert torch.get_num_threads() == 1
+            torch.set_num_threads(2)
+    finally:
+        torch.set_num_threads(threads)
+    (step_a, history_a, weights_a), (step_b, history_b, weights_b) = (final_state(tmp_path / n) for n in ("a.pt", "b.pt"))
+    assert history_a["loss"] == history_b["loss"] and history_a["val_loss"] == history_b["val_loss"]
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert "bit for bit with ``--threads 1``" in sys.modules[cli.__module__].__doc__
+    assert "with one torch thread" in loop.train.__doc__ and "drift apart" in loop.train.__doc__
+
+
+def test_command_line_errors_name_the_flags(tmp_path, capsys):
+    message = cli_error(["--steps", "-5"], capsys)
+    assert "--steps -5 must be a positive integer" in message and "warmup" not in message
+    message = cli_error(["--corpus", str(tmp_path / "nosuch.txt")], capsys)
+    assert f"--corpus '{tmp_path / 'nosuch.txt'}' is neither one of stories" in message and "CORPUS=" not in message
+    message = cli_error(["--d-model", "30", "--heads", "4", "--warmup", "300", "--vocab-size", "100"], capsys)
+    for flag in ("--d-model 30 must be divisible by --heads 4", "--warmup 300 must lie between 0 and --steps 200",
+                 "--vocab-size 100 must be at least 257"):
+        assert flag in message
+    assert "--out" in cli_error(["--out", str(tmp_path)], capsys)  # a folder is no checkpoint file
+
+
 def run_cli(args, tmp_path, log):
     """Start ``python -m lmfs.train`` in a new process with a single thread and its caches in tmp_path."""
-    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1", "LMFS_DEVICE": "cpu"}
+    env = {**os.environ, "TMPDIR": str(tmp_path), "LMFS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "LMFS_DEVICE": "cpu"}
     with open(tmp_path / log, "w") as out:  # the child keeps its own copy of the file descriptor
         return subprocess.Popen([sys.executable, "-m", "lmfs.train", *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=env, cwd=tmp_path)

@@ -15,8 +15,8 @@ The tokenizer is a byte-level BPE with the chat template's special tokens, train
 Llama or DeepSeek), which makes column-wise arithmetic learnable for a small model.
 
 :func:`sft_model` fine-tunes the base model on ``load_split("instructions", "train")`` with
-:func:`lmfs.alignment.sft.train_sft`. Both results are stored under ``$LMFS_CACHE/lmfs-alignment``
-(default: the system's temporary folder) in a folder named by a hash of everything that shapes
+:func:`lmfs.alignment.sft.train_sft`. Both results are stored under ``$LMFS_CACHE/alignment``
+(default: ``~/.cache/lmfs/alignment``, see :func:`lmfs.env.cache_dir`) in a folder named by a hash of everything that shapes
 them (the configuration, the code's data version); a missing folder is rebuilt, and it is
 written under a temporary name and renamed when complete, so notebooks running at the same time
 never read half a model. Sizes come from ``lmfs.scales.lecture_config("15", scale)``.
@@ -41,7 +41,7 @@ import torch
 from lmfs.alignment.sft import END, SPECIAL_TOKENS, format_prompt, train_sft
 from lmfs.alignment.tasks import arithmetic_problems, instruction_examples, load_split
 from lmfs.data.corpora import EOT, generate_stories
-from lmfs.env import resolve_device
+from lmfs.env import cache_dir, resolve_device
 from lmfs.nn import TransformerConfig, TransformerLM
 from lmfs.scales import lecture_config
 from lmfs.tokenization import Tokenizer, train_bpe
@@ -51,8 +51,8 @@ DATA_VERSION = 1   # bump when the generated text changes, so cached models are 
 
 
 def cache_root() -> Path:
-    """``$LMFS_CACHE/lmfs-alignment``, or ``lmfs-alignment`` in the system's temporary folder."""
-    return Path(os.environ.get("LMFS_CACHE") or tempfile.gettempdir()) / "lmfs-alignment"
+    """``lmfs.env.cache_dir("alignment")``: ``$LMFS_CACHE/alignment`` or ``~/.cache/lmfs/alignment``."""
+    return cache_dir("alignment")
 
 
 def _key(kind: str, config: dict) -> str:

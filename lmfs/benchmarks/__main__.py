@@ -2,6 +2,8 @@
 
 Each benchmark prints a table and takes ``--json PATH`` to save its numbers; ``NAME --help``
 shows its options. A benchmark's module is imported only when it is chosen.
+``python -m lmfs.benchmarks --update README.md`` writes the list into the README, between
+``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
 """
 
 from __future__ import annotations
@@ -38,16 +40,35 @@ BENCHMARKS = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m lmfs.benchmarks NAME [options]   (NAME --help for its options)", "",
+    lines = ["usage: python -m lmfs.benchmarks NAME [options]   (NAME --help for its options)",
+             "       python -m lmfs.benchmarks --update README.md   (the README's list of benchmarks)", "",
              "benchmarks:"]
     lines += [f"  {name:<13} {what}" for name, (_, _, what) in BENCHMARKS.items()]
     return "\n".join(lines)
+
+
+LIST_START, LIST_END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+
+
+def markdown_list() -> str:
+    """The benchmarks as the README lists them: one markdown bullet per name, with what it measures."""
+    return "\n".join(f"- `{name}`: {what}" for name, (_, _, what) in BENCHMARKS.items())
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] == "--update":
+        from pathlib import Path
+
+        from lmfs.results import replace_between
+
+        target = Path(argv[1])
+        target.write_text(replace_between(target.read_text(encoding="utf-8"), LIST_START, LIST_END,
+                                          markdown_list()), encoding="utf-8")
+        print(f"benchmark list written into {target}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in BENCHMARKS:

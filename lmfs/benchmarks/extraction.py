@@ -20,7 +20,6 @@ Ratios are lmfs ÷ library (above 1: lmfs is faster).
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,7 +54,9 @@ def main(argv=None) -> dict:
     if args.warc:
         path, source = args.warc, str(args.warc)
     else:
-        path, source = pack_crawl(Path(tempfile.mkdtemp(prefix="lmfs-bench-extract-")) / "crawl.warc.gz", args.pages)
+        from lmfs.env import scratch_dir  # the packed crawl is removed when the benchmark ends
+
+        path, source = pack_crawl(scratch_dir("lmfs-bench-extract-") / "crawl.warc.gz", args.pages)
     print(f"crawl: {source} ({path.stat().st_size / 1e6:.1f} MB)")
     rows = []
 

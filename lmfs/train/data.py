@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from lmfs.data.corpora import EOT, load_corpus
+from lmfs.env import cache_dir
 
 # Ids written to disk per chunk while streaming: bounds memory whatever the corpus size.
 _CHUNK_TOKENS = 1 << 20
@@ -158,8 +159,8 @@ def prepare_tokens(corpus: str = "stories", n_bytes: int = 1_000_000, vocab_size
     ``val_fraction`` of its text (cut at a document boundary) is held out for validation, and
     the tokenizer is trained on the rest only, with ``<|endoftext|>`` as its special token.
 
-    Results are kept in ``workdir`` (default: ``lmfs-tokens`` in the system's temporary folder)
-    under a name made from the arguments, so every notebook and run asking for the same data
+    Results are kept in ``workdir`` (default: ``lmfs.env.cache_dir("tokens")``, that is
+    ``$LMFS_CACHE/tokens`` or ``~/.cache/lmfs/tokens``) under a name made from the arguments, so every notebook and run asking for the same data
     reuses them. The folder is built under a temporary name and renamed when complete, so two
     processes preparing the same data at once never see each other's half-written files.
     """
@@ -167,7 +168,7 @@ def prepare_tokens(corpus: str = "stories", n_bytes: int = 1_000_000, vocab_size
 
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
-    root = Path(workdir) if workdir is not None else Path(tempfile.gettempdir()) / "lmfs-tokens"
+    root = Path(workdir) if workdir is not None else cache_dir("tokens")
     folder = root / _cache_key(corpus, n_bytes, vocab_size, seed, val_fraction)
 
     if not (folder / "meta.json").exists():

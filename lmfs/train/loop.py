@@ -255,15 +255,21 @@ def _every(done: int, period: int) -> bool:
 def train(model: torch.nn.Module, data: np.ndarray, config: TrainConfig, *,
           val_data: np.ndarray | None = None, device: torch.device | str | None = None,
           optimizer: torch.optim.Optimizer | None = None, progress: bool = True,
-          resume: bool = False) -> History:
+          resume: bool = False, checkpoint_extra: dict | None = None) -> History:
     """Train ``model`` on token ids ``data`` as ``config`` says; return the :class:`History`.
 
     ``device`` defaults to where the model's parameters are (pass ``"auto"`` or a device to
     move it). ``optimizer`` defaults to :func:`make_optimizer`. The batches come from a
-    generator seeded with ``config.seed``, so on a CPU the same seed and model give the same
-    run. With ``config.checkpoint_path`` a checkpoint is written every ``checkpoint_every``
-    steps and at the end; ``resume=True`` continues from it (model, optimizer, step, history,
-    batch order and random generators all as they were), or starts afresh if there is none yet.
+    generator seeded with ``config.seed``, so the same seed and model see the same batches. On a
+    CPU with one torch thread (``torch.set_num_threads(1)``) two such runs are identical, bit for
+    bit; with several threads, reductions split across threads may add up in another order from
+    one run to the next, and the losses drift apart in their last digits after a dozen or more steps.
+    With ``config.checkpoint_path`` a checkpoint is written every ``checkpoint_every`` steps and
+    at the end, holding ``checkpoint_extra`` beside the history; ``resume=True`` continues from it
+    (model, optimizer, step, history, batch order and random generators all as they were), or
+    starts afresh if there is none yet. The resumed run follows ``config``, which may differ from
+    the checkpoint's on purpose (:func:`lmfs.scaling.mup.wsd_branches` continues a constant-rate
+    trunk with a decaying schedule); ``python -m lmfs.train --resume`` refuses such differences.
     """
     device = next(model.parameters()).device if device is None else resolve_device(device)
     model.to(device)
@@ -339,6 +345,7 @@ def train(model: torch.nn.Module, data: np.ndarray, config: TrainConfig, *,
                     bar.write(f"step {done}: train loss {loss:.4f}, val loss {val:.4f}")
             if config.checkpoint_path and (last or _every(done, config.checkpoint_every)):
                 save_checkpoint(config.checkpoint_path, model, optimizer, done, config,
-                                extra={"history": asdict(history), "batch_rng": batches.get_state()})
+                                extra={**(checkpoint_extra or {}), "history": asdict(history),
+                                       "batch_rng": batches.get_state()})
         bar.close()
     return history
