@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-import lmfs.eval.execution as ex
+import lmfs.eval.sandbox as ex
 from lmfs.eval import check_code, check_program, from_plain, humaneval, run_python, sandbox_status, to_plain
 
 # Skipped only where bubblewrap is missing and not required (CI sets LMFS_SANDBOX=bwrap: then they fail).

@@ -17,8 +17,8 @@
 """
 
 from lmfs.eval.contamination import NgramIndex, min_k_prob, ngram_overlap, roc_auc, word_ngrams, words
-from lmfs.eval.execution import (ExecutionResult, SandboxStatus, check_program, from_plain, run_many, run_python,
-                                 sandbox_status, to_plain)
+from lmfs.eval.execution import ExecutionResult, check_program, run_many, run_python
+from lmfs.eval.sandbox import SandboxStatus, from_plain, sandbox_status, to_plain
 from lmfs.eval.harness import (NORMALISATIONS, ContinuationScore, GenItem, GenResult, MCItem, MCResult, check_code,
                                choice_predictions, encode_pair, evaluate_generation, evaluate_multiple_choice,
                                exact_match, extract_answer, extract_choice, few_shot_context, generate, numbers_match, parse_number,
