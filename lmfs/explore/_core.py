@@ -113,8 +113,8 @@ class Explorer(widgets.VBox):
             self.text.value = f"<span style='color:#b00'>{html.escape(str(err))}</span>"
             self.image.layout.display = "none"
             return
+        png = self.view.png()   # rendered first, so that the text and the image reach the browser together
         self.text.value = self.view.text
-        png = self.view.png()
         self.image.value = png
         self.image.layout.display = None if png else "none"
 
