@@ -262,6 +262,8 @@ def generate(model, tokenizer, prompts: Sequence[str], max_tokens: int = 32, tem
     """
     if backend not in ("auto", "engine", "nn"):
         raise ValueError(f"backend={backend!r}: use 'auto', 'engine' or 'nn'")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}: the number of completions per prompt must be a positive integer")
     LLM = _inference_llm() if backend in ("auto", "engine") else None
     if backend == "engine" and LLM is None:
         raise ImportError("backend='engine' needs lmfs.inference, which could not be imported")

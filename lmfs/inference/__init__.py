@@ -20,7 +20,7 @@ from lmfs.inference.engine import LLM, Generation
 from lmfs.inference.kv_cache import (BlockAllocator, KVCache, PagedKVCache, kv_bytes_per_token,
                                      paged_attention_reference)
 from lmfs.inference.runner import ModelRunner, PagedBatch, forward_cached, gathered_batch, paged_forward
-from lmfs.inference.scheduler import Request, RequestOutput, ScheduledBatch, Scheduler
+from lmfs.inference.scheduler import Request, RequestFailed, RequestOutput, ScheduledBatch, Scheduler
 from lmfs.inference.static import generate_static
 from lmfs.inference.quantize import (QuantizedWeight, QuantLinear, dequantize_weight, model_weight_bytes,
                                      quantize_model, quantize_weight)
@@ -29,7 +29,7 @@ from lmfs.inference.speculative import (SpeculativeDecoder, acceptance_probabili
                                         speculative_step, speculative_step_distribution)
 
 __all__ = [
-    "BlockAllocator", "Generation", "KVCache", "LLM", "ModelRunner", "Request", "RequestOutput", "ScheduledBatch",
+    "BlockAllocator", "Generation", "KVCache", "LLM", "ModelRunner", "Request", "RequestFailed", "RequestOutput", "ScheduledBatch",
     "Scheduler", "generate_static", "PagedBatch", "PagedKVCache", "forward_cached", "gathered_batch",
     "kv_bytes_per_token", "paged_attention_reference", "paged_forward", "process_logits", "sample",
     "SamplingParams", "QuantizedWeight", "QuantLinear", "dequantize_weight", "model_weight_bytes", "quantize_model",

@@ -159,8 +159,11 @@ class LLM:
 
     def _requests(self, prompts, params) -> list[Request]:
         token_lists = as_token_lists(prompts, self.tokenizer)
-        requests = [Request(i, p, sp, self.device)
-                    for i, (p, sp) in enumerate(zip(token_lists, params_list(params, len(token_lists))))]
+        params = params_list(params, len(token_lists))
+        if self.tokenizer is None and any(sp.stop for sp in params):
+            raise ValueError("stop strings need a tokenizer to see the text: pass tokenizer=... to LLM, "
+                             "or stop on token ids (SamplingParams(stop_token_ids=...))")
+        requests = [Request(i, p, sp, self.device) for i, (p, sp) in enumerate(zip(token_lists, params))]
         for r in requests:
             r.error = self._problem(r)
             if r.error:

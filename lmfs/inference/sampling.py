@@ -17,12 +17,31 @@ tokens whether it runs alone or in a batch with others.
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lmfs.nn.generate import top_k_filter, top_p_filter
+
+
+def _is_int(x) -> bool:
+    """An integer and not a bool (numpy's and torch's integer scalars count)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_number(x) -> bool:
+    """A finite real number and not a bool."""
+    return not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -51,13 +70,28 @@ class SamplingParams:
         # Accept lists and a single stop string; store tuples so the params stay hashable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         problems = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        # Numbers must be numbers: True is not a token count, "5" not a token id, and a NaN
+        # temperature would sample garbage without an error.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                problems.append(f"{name}={value!r} must be a finite number")
+        if problems:
+            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+        ids = tuple(self.stop_token_ids) if not isinstance(self.stop_token_ids, (str, int)) else (self.stop_token_ids,)
+        if not all(_is_int(t) for t in ids):
+            problems.append(f"stop_token_ids={self.stop_token_ids!r} must hold integer token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids if _is_int(t)))
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             problems.append(f"max_tokens={self.max_tokens!r} must be a positive integer")
+        if self.seed is not None and not _is_int(self.seed):
+            problems.append(f"seed={self.seed!r} must be an integer, or None")
+        if not isinstance(self.logprobs, bool):
+            problems.append(f"logprobs={self.logprobs!r} must be True or False")
         if self.temperature < 0:
             problems.append(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             problems.append(f"top_k={self.top_k!r} must be a positive integer, or None for no top-k")
         if not 0.0 < self.top_p <= 1.0:
             problems.append(f"top_p={self.top_p} must be in (0, 1] (1 switches it off)")
