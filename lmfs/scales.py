@@ -526,6 +526,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # SFT of the base model on load_split("instructions", "train") (lmfs.alignment.sft_model)
             sft=dict(steps=20, batch_size=8, micro_batch_size=4, lr=1e-3, warmup_steps=2),
             n_eval=24,                 # held-out problems answered before and after SFT (greedy)
+            eval_digits=1,             # ... additions of numbers of this many digits
             n_val_instructions=48,     # held-out instructions for SFT's validation loss
             max_tokens=24,             # reply length limit when generating
             n_show=4,                  # before/after samples printed
@@ -546,6 +547,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # the 2,000 instructions pack into 475 rows: 60 steps x 32 rows is about 4 passes (~3 s)
             sft=dict(steps=60, batch_size=32, micro_batch_size=16, lr=3e-4, warmup_steps=6),
             n_eval=150,                # all 150 held-out two-digit additions
+            eval_digits=2,
             n_val_instructions=300,
             max_tokens=48,
             n_show=6,
@@ -562,7 +564,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # The GRPO loop on arithmetic from lmfs.alignment.sft_model (lecture 15's sizes): problems
             # with operands of these digits, train split for RL, held-out test split for evaluation.
             digits=(1,), group_size=4, prompts_per_step=4, max_new_tokens=16, steps=4, epochs=2,
-            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=16,
+            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=16, temperature=1.0,
             # The length-bias simulation (a policy that only chooses how long to go on after its answer)
             length_steps=60, length_prompts=16, length_max=32, length_accuracy=0.3, length_lr=0.5,
         ),
@@ -571,7 +573,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # ~11 M parameters; 32 prompts x 8 answers = 256 rollouts per step, ~1 s per step on one
             # H200 (two passes over each batch); the test split holds 300 two-digit problems
             digits=(2,), group_size=8, prompts_per_step=32, max_new_tokens=32, steps=100, epochs=2,
-            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=300,
+            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=300, temperature=1.0,
             length_steps=150, length_prompts=32, length_max=48, length_accuracy=0.3, length_lr=0.5,
         ),
     },
