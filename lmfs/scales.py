@@ -564,7 +564,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # The GRPO loop on arithmetic from lmfs.alignment.sft_model (lecture 15's sizes): problems
             # with operands of these digits, train split for RL, held-out test split for evaluation.
             digits=(1,), group_size=4, prompts_per_step=4, max_new_tokens=16, steps=4, epochs=2,
-            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=16, temperature=1.0,
+            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=16,
             # The length-bias simulation (a policy that only chooses how long to go on after its answer)
             length_steps=60, length_prompts=16, length_max=32, length_accuracy=0.3, length_lr=0.5,
         ),
@@ -573,7 +573,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # ~11 M parameters; 32 prompts x 8 answers = 256 rollouts per step, ~1 s per step on one
             # H200 (two passes over each batch); the test split holds 300 two-digit problems
             digits=(2,), group_size=8, prompts_per_step=32, max_new_tokens=32, steps=100, epochs=2,
-            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=300, temperature=1.0,
+            lr=1e-4, clip=0.2, aggregation="sequence_mean", n_eval=300,
             length_steps=150, length_prompts=32, length_max=48, length_accuracy=0.3, length_lr=0.5,
         ),
     },

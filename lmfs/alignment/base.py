@@ -60,15 +60,12 @@ def _key(kind: str, config: dict) -> str:
     return f"{kind}-{digest}"
 
 
-DIGIT_SHARES = ((1, 0.2), (2, 0.6), (3, 0.2))   # operand sizes of the arithmetic lines, and their shares
-
-
 def pretraining_text(story_bytes: int, arithmetic_lines: int, chat_examples: int, seed: int = 0,
-                     arithmetic_pool: int = 1_000, digit_shares=DIGIT_SHARES) -> str:
+                     arithmetic_pool: int = 1_000) -> str:
     """The base model's training text: stories, arithmetic and chat documents, shuffled, joined by EOT.
 
-    Arithmetic comes eight lines to a document, operands of ``digit_shares``'s sizes in its shares
-    (default 1, 2 or 3 digits, weights 1:3:1), half as bare equations and half as question and answer. The lines repeat a fixed pool of
+    Arithmetic comes eight lines to a document, operands of 1, 2 or 3 digits (weights 1:3:1),
+    half as bare equations and half as question and answer. The lines repeat a fixed pool of
     ``arithmetic_pool`` distinct problems per size and op (60 for one digit): how many different
     sums the model sees, more than how often, decides how well it generalises to unseen ones,
     and so how much a checker-driven RL stage can still teach. Chat documents hold four examples
@@ -77,7 +74,7 @@ def pretraining_text(story_bytes: int, arithmetic_lines: int, chat_examples: int
     rng = random.Random(f"lmfs-alignment-pretraining:{seed}")
     docs = generate_stories(story_bytes, seed=seed).split(EOT)
     lines = []
-    for digits, share in digit_shares:
+    for digits, share in ((1, 0.2), (2, 0.6), (3, 0.2)):
         pool = [p for op in "+-" for p in arithmetic_problems(60 if digits == 1 else arithmetic_pool, digits, op,
                                                                seed=seed + 100, split="train")]
         for p in rng.choices(pool, k=round(arithmetic_lines * share)):
@@ -157,7 +154,7 @@ def base_model(scale: str = "auto", device: str | torch.device | None = None,
 def _pretrain(folder: Path, cfg: dict, device, progress: bool) -> None:
     started = time.perf_counter()
     text = pretraining_text(cfg["story_bytes"], cfg["arithmetic_lines"], cfg["chat_examples"], cfg["seed"],
-                            cfg["arithmetic_pool"], cfg.get("digit_shares", DIGIT_SHARES))
+                            cfg["arithmetic_pool"])
     tokenizer = train_tokenizer(text, cfg["vocab_size"], cfg["tokenizer_bytes"], folder)
     data = np.array(tokenizer.encode(text), dtype=np.uint16)
     prepared = time.perf_counter() - started
