@@ -350,7 +350,8 @@ def test_evaluate_reports_pass_at_k_with_intervals():
 
 
 def test_checkers_of_lecture17_accept_right_and_reject_wrong_answers():
-    from lmfs.exercises.lecture17 import check_masked_sequence_loss, check_kl_k3
+    from lmfs.alignment.pg import kl_estimate
+    from lmfs.exercises.lecture17 import check_k3_gradient, check_masked_sequence_loss
 
     def sequence_loss(per_token, mask):
         m = mask.float()
@@ -361,9 +362,20 @@ def test_checkers_of_lecture17_accept_right_and_reject_wrong_answers():
     assert check_masked_sequence_loss(sequence_loss) > 0
     with pytest.raises(AssertionError, match="wrong result"):       # padding counted in the mean
         check_masked_sequence_loss(lambda x, m: (x * m).sum(1).div(x.shape[1]).mean())
-    assert check_kl_k3(lambda lp, ref: torch.expm1(ref - lp) - (ref - lp)) > 0
-    with pytest.raises(AssertionError, match="wrong result"):       # k3 with the ratio upside down
-        check_kl_k3(lambda lp, ref: torch.expm1(lp - ref) - (lp - ref))
+    def k3_gradient(logits, ref_logits, kind="k3"):
+        """Autograd of each token's estimate, weighted by pi(v) and summed over the vocabulary."""
+        z = logits.detach().clone().requires_grad_(True)
+        logp, ref = torch.log_softmax(z, -1), torch.log_softmax(ref_logits, -1)
+        (logp.exp().detach() * kl_estimate(logp, ref, kind)).sum().backward()
+        return z.grad
+
+    assert check_k3_gradient(k3_gradient) > 0
+    assert check_k3_gradient(lambda z, ref: torch.softmax(z, -1) - torch.softmax(ref, -1)) > 0   # closed form
+    with pytest.raises(AssertionError, match="wrong result"):       # k1: zero in expectation
+        check_k3_gradient(lambda z, ref: k3_gradient(z, ref, "k1"))
+    with pytest.raises(AssertionError, match="wrong result"):       # the gradient of KL(pi || pi_ref)
+        check_k3_gradient(lambda z, ref: torch.func.grad(
+            lambda x: (torch.softmax(x, -1) * (torch.log_softmax(x, -1) - torch.log_softmax(ref, -1))).sum())(z))
 
 
 def test_benchmark_runs_tiny(tmp_path, capsys):

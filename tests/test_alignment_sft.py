@@ -138,6 +138,18 @@ def test_pretraining_text_holds_no_test_problem_and_digits_are_tokens(tmp_path):
     assert sorted(with_digits) == [str(d).encode() for d in range(10)]   # only the ten single digits
 
 
+def test_pretraining_text_digit_shares_and_chat_arithmetic():
+    text = pretraining_text(2_000, 800, 4, seed=0, digit_shares=((1, 1.0),), chat_arithmetic=0.5)
+    bare = re.findall(r"^(\d+) ([-+]) (\d+) = (-?\d+)$", text, flags=re.M)
+    chat = re.findall(r"<\|user\|>\s*What is (\d+) ([-+]) (\d+)\?", text)
+    asked = re.findall(r"Question: What is (\d+) ([-+]) (\d+)\?", text)
+    assert all(len(x) == 1 for a, _, b, *_ in bare + chat + asked for x in (a, b))      # one-digit operands only
+    assert all(int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b)) for a, op, b, c in bare)
+    n = len(bare) + len(chat) + len(asked)
+    assert n > 700 and 0.4 < len(chat) / n < 0.6 and 0.15 < len(bare) / n < 0.35     # half chat, the rest split
+    assert not re.search(r"What is \d\d", pretraining_text(2_000, 800, 4, seed=0, digit_shares=((1, 1.0),)))
+
+
 def test_cache_folders_appear_whole_or_not_at_all(tmp_path):
     folder = tmp_path / "base-x"
 

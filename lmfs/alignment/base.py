@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from lmfs.alignment.sft import END, SPECIAL_TOKENS, format_prompt, train_sft
-from lmfs.alignment.tasks import arithmetic_problems, instruction_examples, load_split
+from lmfs.alignment.tasks import arithmetic_problems, arithmetic_response, instruction_examples, load_split
 from lmfs.data.corpora import EOT, generate_stories
 from lmfs.env import cache_dir, resolve_device
 from lmfs.nn import TransformerConfig, TransformerLM
@@ -60,12 +60,17 @@ def _key(kind: str, config: dict) -> str:
     return f"{kind}-{digest}"
 
 
+DIGIT_SHARES = ((1, 0.2), (2, 0.6), (3, 0.2))   # operand sizes of the arithmetic lines, and their shares
+
+
 def pretraining_text(story_bytes: int, arithmetic_lines: int, chat_examples: int, seed: int = 0,
-                     arithmetic_pool: int = 1_000) -> str:
+                     arithmetic_pool: int = 1_000, digit_shares=DIGIT_SHARES, chat_arithmetic: float = 0.0) -> str:
     """The base model's training text: stories, arithmetic and chat documents, shuffled, joined by EOT.
 
-    Arithmetic comes eight lines to a document, operands of 1, 2 or 3 digits (weights 1:3:1),
-    half as bare equations and half as question and answer. The lines repeat a fixed pool of
+    Arithmetic comes eight lines to a document, operands of ``digit_shares``'s sizes in its shares
+    (default 1, 2 or 3 digits, weights 1:3:1); a share ``chat_arithmetic`` of them is written as a
+    chat exchange (the template, the working and the ``Answer:`` line, as SFT and RL prompt a
+    model), the rest half as bare equations and half as question and answer. The lines repeat a fixed pool of
     ``arithmetic_pool`` distinct problems per size and op (60 for one digit): how many different
     sums the model sees, more than how often, decides how well it generalises to unseen ones,
     and so how much a checker-driven RL stage can still teach. Chat documents hold four examples
@@ -74,12 +79,13 @@ def pretraining_text(story_bytes: int, arithmetic_lines: int, chat_examples: int
     rng = random.Random(f"lmfs-alignment-pretraining:{seed}")
     docs = generate_stories(story_bytes, seed=seed).split(EOT)
     lines = []
-    for digits, share in ((1, 0.2), (2, 0.6), (3, 0.2)):
+    for digits, share in digit_shares:
         pool = [p for op in "+-" for p in arithmetic_problems(60 if digits == 1 else arithmetic_pool, digits, op,
                                                                seed=seed + 100, split="train")]
         for p in rng.choices(pool, k=round(arithmetic_lines * share)):
-            m = p.meta
-            lines.append(f"{m['a']} {m['op']} {m['b']} = {p.answer}" if rng.random() < 0.5
+            m, form = p.meta, rng.random()
+            lines.append(format_prompt(p.prompt) + arithmetic_response(p) + END if form < chat_arithmetic
+                         else f"{m['a']} {m['op']} {m['b']} = {p.answer}" if form < (1 + chat_arithmetic) / 2
                          else f"Question: {p.prompt}\nAnswer: {p.answer}")
     rng.shuffle(lines)
     docs += ["\n".join(lines[i:i + 8]) for i in range(0, len(lines), 8)]
@@ -154,7 +160,7 @@ def base_model(scale: str = "auto", device: str | torch.device | None = None,
 def _pretrain(folder: Path, cfg: dict, device, progress: bool) -> None:
     started = time.perf_counter()
     text = pretraining_text(cfg["story_bytes"], cfg["arithmetic_lines"], cfg["chat_examples"], cfg["seed"],
-                            cfg["arithmetic_pool"])
+                            cfg["arithmetic_pool"], cfg.get("digit_shares", DIGIT_SHARES), cfg.get("chat_arithmetic", 0.0))
     tokenizer = train_tokenizer(text, cfg["vocab_size"], cfg["tokenizer_bytes"], folder)
     data = np.array(tokenizer.encode(text), dtype=np.uint16)
     prepared = time.perf_counter() - started

@@ -2,7 +2,8 @@
 
 * :func:`check_masked_sequence_loss`: against :func:`lmfs.alignment.pg.aggregate` with
   ``how="sequence_mean"``, on batches with padding, responses of different lengths and empty ones.
-* :func:`check_kl_k3`: against :func:`lmfs.alignment.pg.kl_estimate` with ``kind="k3"``.
+* :func:`check_k3_gradient`: the expected gradient of the ``k3`` penalty with respect to the
+  policy's logits, against the gradient of ``KL(pi_ref || pi)`` by autograd on the closed form.
 """
 
 from __future__ import annotations
@@ -38,18 +39,27 @@ def check_masked_sequence_loss(answer: Callable[[torch.Tensor, torch.Tensor], to
                  atol=1e-5, rtol=1e-5)
 
 
-def _kl_cases():
+def _gradient_cases():
     generator = torch.Generator().manual_seed(1)
-    for shape in ((3,), (2, 5), (4, 9)):
-        logp = -torch.rand(shape, generator=generator) * 3
-        yield logp, logp + torch.randn(shape, generator=generator) * 0.5
-    same = -torch.rand(4, generator=generator)
-    yield same, same.clone()                             # identical policies: exactly 0
+    for shape in ((2,), (6,), (3, 5), (2, 4, 11)):
+        logits = torch.randn(shape, generator=generator, dtype=torch.float64)
+        yield logits, logits + torch.randn(shape, generator=generator, dtype=torch.float64) * 0.7
+    same = torch.randn(5, generator=generator, dtype=torch.float64)
+    yield same, same.clone()                             # identical policies: no pull at all
 
 
-def check_kl_k3(answer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> int:
-    """``kl_k3(logp, ref_logp)``: log-probs of the sampled tokens under the policy and the reference
-    (same shape) -> Schulman's per-token ``k3`` estimate of ``KL(policy || reference)``, with
-    ``r = pi_ref / pi``: ``(r - 1) - log r``."""
-    return check("kl_k3", answer, lambda lp, ref: kl_estimate(lp, ref, kind="k3"), _kl_cases(),
-                 atol=1e-6, rtol=1e-5)
+def _reverse_kl_gradient(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``KL(pi_ref || pi)`` (summed over leading dimensions) by autograd."""
+    z = logits.detach().clone().requires_grad_(True)
+    ref = torch.softmax(ref_logits, -1)
+    (ref * (ref.log() - torch.log_softmax(z, -1))).sum().backward()
+    return z.grad
+
+
+def check_k3_gradient(answer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> int:
+    """``k3_gradient(logits, ref_logits)``: the policy's and the reference's logits ``(..., V)`` ->
+    the expected gradient ``E_{v ~ pi}[grad_logits k3(v)]`` ``(..., V)`` of the per-token ``k3``
+    penalty (:func:`lmfs.alignment.pg.kl_estimate`) with the sampled token held fixed, as the GRPO
+    loss differentiates it. Checked against the gradient of ``KL(pi_ref || pi)``: the KL the
+    penalty pulls toward."""
+    return check("k3_gradient", answer, _reverse_kl_gradient, _gradient_cases(), atol=1e-8, rtol=1e-6)
