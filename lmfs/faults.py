@@ -102,6 +102,18 @@ FAULTS: list[Fault] = [
           "            for col in range(j * rows, (j + 1) * rows):",
           "            for col in range(j * rows, (j + 1) * rows - 1):",
           "MinHash LSH: each band hashes one row too few"),
+    Fault("15", "lmfs/alignment/preference.py",
+          "-F.logsigmoid(chosen - rejected).mean()",
+          "-F.logsigmoid(rejected - chosen).mean()",
+          "DPO with the margin's sign flipped"),
+    Fault("16", "lmfs/alignment/pg.py",
+          "    centred = groups - groups.mean(dim=1, keepdim=True)",
+          "    centred = groups",
+          "GRPO advantage without the group mean"),
+    Fault("17", "lmfs/alignment/grpo.py",
+          "per_token = per_token + c.kl_coef * kl",
+          "per_token = per_token - c.kl_coef * kl",
+          "GRPO trainer adds the KL penalty with the wrong sign"),
 ]
 
 
