@@ -3,7 +3,7 @@
   python -m lmfs.alignment data                 rebuild the task files in data/alignment/
   python -m lmfs.alignment report --scale full  train (or load from the cache) the base and SFT
                                                 models and print their held-out accuracies, the
-                                                numbers that size them (lmfs/scales.py, lecture 15)
+                                                numbers that size them (lmfs/scales/alignment.py, lecture 15)
 """
 
 import argparse
