@@ -236,7 +236,7 @@ def test_bench_command_lists_and_rejects(capsys):
     assert bench_main(["nonsense"]) == 2
     assert set(BENCHMARKS) == {"bpe", "train-step", "probes", "kernels", "attention", "collectives",
                                "data-parallel", "moe", "decode-step", "paged-attention", "inference", "sweep", "evaluation",
-                               "extraction", "dedup", "grpo"}
+                               "extraction", "dedup", "grpo", "sandbox"}
     with pytest.raises(SystemExit) as exit_info:
         bench_main(["probes", "--help"])
     assert exit_info.value.code == 0

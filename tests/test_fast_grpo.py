@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmfs.alignment.grpo import GRPOConfig, batch_tensors
+from lmfs.alignment.grpo import GRPOConfig, GRPOTrainer, batch_tensors
 from lmfs.alignment.sft import response_logprobs
 from lmfs.fast.grpo import PipelineConfig, PipelinedGRPOTrainer, packed_response_logprobs
 from lmfs.nn import TransformerConfig, TransformerLM
@@ -21,16 +21,26 @@ def pipelined(model, tok, problems=None, reward_fn=parity, pipeline=None, cls=Pi
                pipeline=pipeline)
 
 
+class SequentialOnTheFastEngine(GRPOTrainer):
+    """The sequential trainer on the pipelined one's engine (:func:`lmfs.fast.fast_engine`), so that
+    comparing the two isolates the schedule. The fast engine keeps decode steps in flight, so the
+    unseeded rows draw their random numbers from the global generator in another order than the
+    plain runner's; tests/test_inference_fast.py compares the two engines on seeded requests."""
+
+    make_engine = PipelinedGRPOTrainer.make_engine
+
+
 def run_steps(pipeline=None, steps=3, device="cpu", **config):
     """``steps`` steps of the sequential trainer (``pipeline=None``) or the pipelined one, from the same
-    model and seed; the trainer, its history and how many rollouts started during an update."""
+    model and seed, on the same engine; the trainer, its history and how many rollouts started during
+    an update."""
     from lmfs.benchmarks.grpo import RolloutRecorder
 
     model, tok = tiny()
     model = model.to(device)
     torch.manual_seed(4)
-    tr = (trainer(model, tok, lr=1e-2, **config) if pipeline is None
-          else pipelined(model, tok, lr=1e-2, pipeline=pipeline, **config))
+    tr = (pipelined(model, tok, lr=1e-2, cls=lambda *a, pipeline, **k: SequentialOnTheFastEngine(*a, **k), **config)
+          if pipeline is None else pipelined(model, tok, lr=1e-2, pipeline=pipeline, **config))
     recorder = RolloutRecorder(tr) if pipeline is not None else None
     history = tr.train(steps)
     if recorder is not None:
@@ -110,11 +120,12 @@ def test_fused_adamw_updates_reach_an_engine_with_16_bit_weights():
     fused decode engine's bf16 weight copies follow: the trainer bumps them after each step, so an
     engine handed in through make_engine samples from the updated policy (as a fresh one would)."""
     pytest.importorskip("lmfs.kernels.decode")
-    from lmfs.inference import LLM, SamplingParams
+    from lmfs.fast import fast_engine
+    from lmfs.inference import SamplingParams
 
     class FusedDecodeTrainer(PipelinedGRPOTrainer):
         def make_engine(self, policy):
-            return LLM(policy, None, fused_decode=True, autocast=self.autocast, progress=False)
+            return fast_engine(policy, None, fused_decode=True, autocast=self.autocast, progress=False)
 
     model, tok = tiny()
     tr = pipelined(model, tok, cls=FusedDecodeTrainer, pipeline=PipelineConfig(torch_adamw=True), lr=1e-2,
@@ -130,7 +141,7 @@ def test_fused_adamw_updates_reach_an_engine_with_16_bit_weights():
         for i, row in enumerate(rows):
             assert (logp[i][mask[i]] - torch.tensor(rollout.sampler_logprobs[row])).abs().max() < 1e-2
     prompts, params = tr.prompts[:3], SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=True)
-    fresh = LLM(model, None, fused_decode=True, autocast=torch.bfloat16, progress=False).generate(prompts, params)
+    fresh = fast_engine(model, None, fused_decode=True, autocast=torch.bfloat16, progress=False).generate(prompts, params)
     assert ([(o.token_ids, o.logprobs) for o in tr.llm.generate(prompts, params)]
             == [(o.token_ids, o.logprobs) for o in fresh])
 
