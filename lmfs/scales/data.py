@@ -54,7 +54,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
     },
     "13": {
         "smoke": dict(
-            crawl_pages=300,           # pages of the crawl: the generated site (full: installed docs if any)
+            crawl_pages=300,           # pages of the crawl: installed Debian docs if any, else the generated site
             shard_pages=150,           # pages in each of the two shards of the sharded run
             compare_pages=120,         # pages the three extractors are scored on
             langid_train_per_lang=100,  # generated paragraphs per language to train the classifier
@@ -84,7 +84,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             minhash_docs=600,          # planted near-duplicate corpus (about 2 KB per document)
             scurve=((8, 16), (16, 8), (32, 4)),  # (bands, rows) whose S-curves are measured
             bench_docs=1_000,          # MinHash + LSH throughput vs datasketch
-            sample_pages=200,          # pages of the generated site the pipeline runs over
+            sample_pages=200,          # pages the pipeline runs over: installed Debian docs if any, else the generated site
             workers=2,
             # duplicated vs deduplicated training data: stories, a share of them repeated
             train_bytes=300_000, vocab_size=512, dup_share=0.1, dup_times=20,
