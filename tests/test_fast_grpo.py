@@ -298,12 +298,17 @@ def test_packed_response_logprobs_refuse_a_plain_model_and_bad_lengths(monkeypat
 @pytest.mark.gpu
 def test_pipelined_steps_on_cuda_train_as_the_sequential_ones():
     """On a GPU (CUDA graphs, bf16, torch's fused AdamW stepped without waiting for the loss) the
-    pipelined trainer samples what the sequential one samples and trains to bf16 precision alike."""
+    pipelined trainer samples what the sequential one samples. Its weights are compared with the same
+    trainer run without the overlap: the sequential trainer computes through the plain modules and
+    lmfs's AdamW, whose bf16 rounding differs from the fused kernels' (the CPU test above compares
+    the two trainers' weights exactly), so the schedule is what this comparison isolates."""
     sequential, h0, _ = run_steps(None, device="cuda")
+    unoverlapped, h2, none_early = run_steps(PipelineConfig(overlap_steps=False), device="cuda")
     fast, h1, early = run_steps(PipelineConfig(), device="cuda")
-    assert fast.torch_adamw and early == 2
+    assert fast.torch_adamw and early == 2 and none_early == 0
     assert h1.reward[0] == h0.reward[0] and all(math.isfinite(x) for x in h1.loss)
-    for (name, a), b in zip(sequential.policy.named_parameters(), fast.policy.parameters()):
+    assert h1.reward == h2.reward
+    for (name, a), b in zip(unoverlapped.policy.named_parameters(), fast.policy.parameters()):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=0, msg=name)
 
 
