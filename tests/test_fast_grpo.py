@@ -335,7 +335,7 @@ def test_packed_update_on_cuda_matches_the_padded_one():
     """On a GPU under bf16 autocast the packed forward goes through variable-length flash attention:
     its log-probs and gradients match the padded batch's to bf16 precision, and a packed GRPO run
     keeps the rollouts' log-probs equal to the training forward's."""
-    from lmfs.inference.runner import flash_varlen_supports
+    from lmfs.batching import flash_varlen_supports
     from lmfs.kernels.fused import fuse_model
 
     model, tok = tiny()

@@ -12,7 +12,7 @@ import ipywidgets as widgets
 import numpy as np
 import torch
 
-from lmfs.explore._core import Explorer, View, gigabytes, new_figure, slider, table
+from lmfs.explore._core import Explorer, View, new_figure, slider, table
 
 SENTENCE = "The for statement is used to iterate over the elements of a sequence, such as a string."
 _COLORS = ["#fde2e4", "#e2ece9", "#dfe7fd", "#fff1e6", "#e8e8e4", "#f0efeb"]

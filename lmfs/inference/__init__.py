@@ -19,7 +19,8 @@
 from lmfs.inference.engine import LLM, Generation
 from lmfs.inference.kv_cache import (BlockAllocator, KVCache, PagedKVCache, kv_bytes_per_token,
                                      paged_attention_reference)
-from lmfs.inference.runner import ModelRunner, PagedBatch, forward_cached, gathered_batch, paged_forward
+from lmfs.batching import PagedBatch, gathered_batch
+from lmfs.inference.runner import ModelRunner, forward_cached, paged_forward
 from lmfs.inference.scheduler import Request, RequestFailed, RequestOutput, ScheduledBatch, Scheduler
 from lmfs.inference.static import generate_static
 from lmfs.inference.quantize import (QuantizedWeight, QuantLinear, dequantize_weight, model_weight_bytes,

@@ -23,9 +23,7 @@ from collections.abc import Callable
 import torch
 from einops import rearrange
 
-# the batch primitives live below inference and the kernels; importable from here too
-from lmfs.batching import (PagedBatch, PinnedStaging, capture_graph, flash_varlen, flash_varlen_supports,  # noqa: F401
-                           gathered_attention, gathered_batch, masked_attention, right_padded, upload)
+from lmfs.batching import PagedBatch, gathered_attention, gathered_batch, masked_attention, upload
 from lmfs.inference.kv_cache import paged_attention_reference
 from lmfs.inference.sampling import sample
 from lmfs.nn.positions import apply_rope, rope_angles

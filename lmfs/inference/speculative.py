@@ -52,7 +52,8 @@ import math
 import torch
 
 from lmfs.inference.kv_cache import PagedKVCache
-from lmfs.inference.runner import PagedBatch, capture_graph, paged_forward
+from lmfs.batching import PagedBatch, capture_graph
+from lmfs.inference.runner import paged_forward
 from lmfs.inference.sampling import SamplingParams, sample_scaled
 from lmfs.nn.generate import top_k_filter, top_p_filter
 
