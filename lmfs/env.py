@@ -14,6 +14,7 @@ the test suite chooses a scale; papermill's ``-p SCALE full`` overrides through 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import platform
 import random
@@ -120,11 +121,69 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """The compute dtype a lecture trains in: bf16 on a GPU that supports it, else fp32."""
+    """The compute dtype a lecture trains in: bf16 on a GPU that supports it, else fp32 (a GPU
+    older than Ampere, e.g. a T4 or V100, has no bfloat16: :func:`setup` says so)."""
     dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+    if dev.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     return torch.float32
+
+
+NO_BF16_NOTE = ("note: this GPU has no bfloat16 (it needs compute capability 8.0, Ampere, or newer): "
+                "lmfs computes in float32 here, which takes about twice the memory and time of the "
+                "bfloat16 figures in the lectures")
+
+
+# ---------------------------------------------------------------- GPU memory: a cap and the peak
+
+MEMORY_CAP_VAR = "LMFS_GPU_MEMORY_GB"   # GiB a process may allocate on its GPU (e.g. 22 for a 24 GB card)
+PEAK_DIR_VAR = "LMFS_PEAK_MEMORY_DIR"   # where each process writes its peak GPU memory when it exits
+
+
+def apply_memory_cap(device: torch.device) -> float | None:
+    """Cap this process's GPU memory at ``$LMFS_GPU_MEMORY_GB`` GiB (unset: no cap); returns the cap.
+
+    Allocations beyond it fail with torch's out-of-memory error, as on a card of that size: a run
+    under a cap of 22 on a big GPU shows whether a lecture fits a 24 GB card (22 GiB of allocations
+    leave room for the CUDA context and other processes' memory)."""
+    value = os.environ.get(MEMORY_CAP_VAR, "").strip()
+    if not value or device.type != "cuda":
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        raise ValueError(f"{MEMORY_CAP_VAR}={value!r}: give the cap in GiB, e.g. 22") from None
+    if gib <= 0:
+        raise ValueError(f"{MEMORY_CAP_VAR}={value!r}: the cap must be positive")
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib / total), device)
+    return min(gib, total)
+
+
+def _record_peak_memory() -> None:
+    """At exit: this process's peak GPU memory (the caching allocator's reserved bytes, the most
+    on any one GPU) into ``$LMFS_PEAK_MEMORY_DIR/<pid>.json``, if the variable is set and the process
+    used CUDA. :func:`read_peak_memory` adds the files up."""
+    folder = os.environ.get(PEAK_DIR_VAR)
+    if not folder or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    peak = max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
+    try:
+        Path(folder, f"{os.getpid()}.json").write_text(json.dumps({"pid": os.getpid(), "reserved_bytes": peak}))
+    except OSError:  # the folder is gone: whoever asked is no longer reading
+        pass
+
+
+atexit.register(_record_peak_memory)
+
+
+def read_peak_memory(folder: str | os.PathLike) -> tuple[float | None, int]:
+    """``(GiB, processes)``: the peak GPU memory the processes that wrote into ``folder`` reserved,
+    added up (an upper bound on their peak together, since each one's peak is counted as if they
+    coincided), and how many wrote; ``(None, 0)`` if none did. The CUDA context, about half a GiB
+    per process, comes on top."""
+    peaks = [json.loads(p.read_text())["reserved_bytes"] for p in Path(folder).glob("*.json")]
+    return (sum(peaks) / 2**30, len(peaks)) if peaks else (None, 0)
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -241,6 +300,11 @@ def setup(scale: str = "auto", device: str = "auto", seed: int = 0, quiet: bool 
     dev = resolve_device(device)
     session = Session(resolve_scale(scale), dev, default_dtype(dev), seed)
     seed_everything(seed)
+    cap = apply_memory_cap(dev)
     if not quiet:
         print(banner(session.scale, session.device, session.dtype))
+        if cap is not None:
+            print(f"GPU memory capped at {cap:.0f} GiB for this process ({MEMORY_CAP_VAR})")
+        if dev.type == "cuda" and session.dtype != torch.bfloat16:
+            print(NO_BF16_NOTE)
     return session

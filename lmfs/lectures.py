@@ -21,11 +21,13 @@ full-scale run can be read without a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import html
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +165,7 @@ class RunResult:
     seconds: float
     output: str
     error: str = ""
+    peak_gpu_gib: float | None = None   # GPU memory reserved at the peak, all the run's processes added up
 
 
 # Arguments for the kernel's command line. ipykernel logs "Kernel is running over TCP without
@@ -180,30 +183,59 @@ def run_lecture(path: Path, out_dir: Path, scale: str, device: str, timeout: int
     not with the switches ``import lmfs`` set in this process, as a kernel in JupyterLab would."""
     import papermill
 
-    from lmfs.env import kernel_environment
+    from lmfs.env import PEAK_DIR_VAR, kernel_environment, read_peak_memory
 
     out_dir.mkdir(parents=True, exist_ok=True)
     output = out_dir / path.name
     params = {"SCALE": scale, "DEVICE": device, **(extra_parameters or {})}
     start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lmfs-peaks-") as peaks:
+        try:
+            # Each process of the run (the kernel, and workers it starts) writes its peak GPU memory
+            # into ``peaks`` when it exits (lmfs.env).
+            with kernel_environment(), _environment(PEAK_DIR_VAR, peaks):
+                papermill.execute_notebook(
+                    str(path), str(output), parameters=params, kernel_name="python3",
+                    cwd=str(path.parent), execution_timeout=timeout, progress_bar=False,
+                    extra_arguments=KERNEL_ARGUMENTS,
+                )
+            status, error = "ok", ""
+        except Exception as err:  # papermill raises PapermillExecutionError; keep going with the rest
+            status, error = "failed", f"{type(err).__name__}: {str(err)[-2000:]}"
+        seconds = time.perf_counter() - start
+        if device.startswith("cuda"):   # the kernel may still be writing as it shuts down
+            for _ in range(20):
+                if read_peak_memory(peaks)[1]:
+                    break
+                time.sleep(0.25)
+        peak, _ = read_peak_memory(peaks)
+    return RunResult(path.stem, status, seconds, str(output), error, peak)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """``os.environ[name] = value`` while active (the kernels started inside inherit it)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
-        with kernel_environment():
-            papermill.execute_notebook(
-                str(path), str(output), parameters=params, kernel_name="python3",
-                cwd=str(path.parent), execution_timeout=timeout, progress_bar=False,
-                extra_arguments=KERNEL_ARGUMENTS,
-            )
-        status, error = "ok", ""
-    except Exception as err:  # papermill raises PapermillExecutionError; keep going with the rest
-        status, error = "failed", f"{type(err).__name__}: {str(err)[-2000:]}"
-    return RunResult(path.stem, status, time.perf_counter() - start, str(output), error)
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def format_table(results: list[RunResult]) -> str:
-    lines = ["| lecture | status | seconds |", "| --- | --- | ---: |"]
-    lines += [f"| {r.lecture} | {r.status} | {r.seconds:.1f} |" for r in results]
+    gpu = any(r.peak_gpu_gib is not None for r in results)
+    lines = ["| lecture | status | seconds |" + (" peak GPU GiB |" if gpu else ""),
+             "| --- | --- | ---: |" + (" ---: |" if gpu else "")]
+    for r in results:
+        peak = "" if r.peak_gpu_gib is None else f"{r.peak_gpu_gib:.1f}"
+        lines.append(f"| {r.lecture} | {r.status} | {r.seconds:.1f} |" + (f" {peak} |" if gpu else ""))
     total = sum(r.seconds for r in results)
-    lines.append(f"| total ({sum(r.status == 'ok' for r in results)}/{len(results)} ok) | | {total:.1f} |")
+    lines.append(f"| total ({sum(r.status == 'ok' for r in results)}/{len(results)} ok) | | {total:.1f} |"
+                 + (" |" if gpu else ""))
     return "\n".join(lines)
 
 
@@ -269,6 +301,11 @@ def _time_cell(result: dict | None) -> str:
     return text if result["status"] == "ok" else f"{text}, failed"
 
 
+def _peak_cell(result: dict | None) -> str:
+    peak = (result or {}).get("peak_gpu_gib")
+    return "" if peak is None else f"{peak:.1f} GiB"
+
+
 def lecture_table(runs: dict[str, dict[str, dict]]) -> str:
     """The markdown lecture table: lecture, what it builds in lmfs, status, smoke and full times.
 
@@ -276,7 +313,8 @@ def lecture_table(runs: dict[str, dict[str, dict]]) -> str:
     ``runs`` passed, ``fails at <scale>`` when one failed, and ``not run`` without any run.
     A time cell says the device it was measured on (``15 s (cpu)``).
     """
-    lines = ["| lecture | builds | status | smoke | full |", "| --- | --- | --- | ---: | ---: |"]
+    lines = ["| lecture | builds | status | smoke | full | peak GPU memory (full) |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]
     for lec in LECTURES:
         smoke, full = (runs.get(scale, {}).get(lec.number) for scale in ("smoke", "full"))
         failed = [scale for scale, r in (("smoke", smoke), ("full", full)) if r and r["status"] != "ok"]
@@ -287,7 +325,7 @@ def lecture_table(runs: dict[str, dict[str, dict]]) -> str:
         else:
             status = f"fails at {' and '.join(failed)}" if failed else "runs"
         lines.append(f"| {lec.number} {lec.title} | {lec.builds} | {status} | "
-                     f"{_time_cell(smoke)} | {_time_cell(full)} |")
+                     f"{_time_cell(smoke)} | {_time_cell(full)} | {_peak_cell(full)} |")
     return "\n".join(lines)
 
 

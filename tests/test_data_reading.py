@@ -13,7 +13,7 @@ from lmfs.data.pii import MaskPII, mask_pii
 from lmfs.data.rules import (C4Rules, C4Thresholds, GopherRules, c4_clean, dup_ngram_char_fraction,
                              gopher_reasons, top_ngram_char_fraction)
 from lmfs.data.sample import LANGUAGES, generate_site, sample_texts
-from lmfs.data.warc import _record, pack_crawl, pack_html, read_warc, write_sample_warc, write_warc
+from lmfs.data.warc import _record, find_doc_roots, pack_crawl, pack_html, read_warc, write_sample_warc, write_warc
 
 PAGE = b"<html><body><p>" + b"A page with enough words to keep around. " * 5 + b"</p></body></html>"
 
@@ -90,6 +90,13 @@ def test_pack_html_and_crawl_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("lmfs.data.warc.find_doc_roots", lambda: [root])  # as on a machine with them
     assert "HTML pages from" in pack_crawl(tmp_path / "d.warc.gz", 40)[1]
     assert "not asked for" in pack_crawl(tmp_path / "e.warc.gz", 40, installed_docs=False)[1]
+    monkeypatch.undo()
+    monkeypatch.setenv("LMFS_DOC_ROOTS", f"{root}:{other}")   # folders named instead of the installed ones
+    assert find_doc_roots() == [root.resolve(), other.resolve()]
+    monkeypatch.setenv("LMFS_DOC_ROOTS", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="LMFS_DOC_ROOTS"):
+        find_doc_roots()
+    monkeypatch.delenv("LMFS_DOC_ROOTS")
 
     from lmfs.data.__main__ import main
     main(["crawl", "--roots", str(root), "--out", str(tmp_path / "cli.warc.gz")])

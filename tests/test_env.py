@@ -78,3 +78,43 @@ def test_kernel_environment_drops_the_switch_lmfs_set(monkeypatch):
         with lmfs.env.kernel_environment():
             assert os.environ.get("TRITON_INTERPRET") == user_value
         assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_peak_memory_files_add_up(tmp_path):
+    from lmfs.env import read_peak_memory
+
+    assert read_peak_memory(tmp_path) == (None, 0)
+    (tmp_path / "1.json").write_text('{"pid": 1, "reserved_bytes": 1073741824}')
+    (tmp_path / "2.json").write_text('{"pid": 2, "reserved_bytes": 536870912}')
+    assert read_peak_memory(tmp_path) == (1.5, 2)
+
+
+def test_memory_cap_is_checked_and_only_applies_to_cuda(monkeypatch):
+    import torch
+
+    from lmfs.env import MEMORY_CAP_VAR, apply_memory_cap
+
+    monkeypatch.delenv(MEMORY_CAP_VAR, raising=False)
+    assert apply_memory_cap(torch.device("cpu")) is None
+    monkeypatch.setenv(MEMORY_CAP_VAR, "22")
+    assert apply_memory_cap(torch.device("cpu")) is None
+    if torch.cuda.is_available():
+        for bad in ("lots", "-1"):
+            monkeypatch.setenv(MEMORY_CAP_VAR, bad)
+            with pytest.raises(ValueError, match=MEMORY_CAP_VAR):
+                apply_memory_cap(torch.device("cuda"))
+
+
+def test_autocast_falls_back_to_float32_without_bfloat16(monkeypatch):
+    import torch
+
+    import lmfs.train.loop as loop
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(loop, "default_dtype", lambda device: torch.float32)
+    assert loop.resolve_autocast("auto", cuda) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "an old GPU")
+    with pytest.raises(ValueError, match="no bfloat16"):
+        loop.resolve_autocast("bf16", cuda)
+    monkeypatch.setattr(loop, "default_dtype", lambda device: torch.bfloat16)
+    assert loop.resolve_autocast("auto", cuda) is torch.bfloat16

@@ -74,14 +74,15 @@ def test_table_from_runs(tmp_path):
         {"lecture": LECTURES[0].stem, "status": "ok", "seconds": 21.4},
         {"lecture": LECTURES[1].stem, "status": "failed", "seconds": 65.0},
         {"lecture": "nb", "status": "ok", "seconds": 1.0}]}  # not a lecture: ignored
-    full = {"scale": "full", "device": "cuda", "results": [{"lecture": LECTURES[0].stem, "status": "ok", "seconds": 185}]}
+    full = {"scale": "full", "device": "cuda", "results": [{"lecture": LECTURES[0].stem, "status": "ok", "seconds": 185,
+                                                            "peak_gpu_gib": 3.14}]}
     paths = [tmp_path / "smoke.json", tmp_path / "full.json"]
     for path, report in zip(paths, (smoke, full)):
         path.write_text(json.dumps(report))
     table = lecture_table(load_runs(paths)).splitlines()
     assert len(table) == 2 + len(LECTURES)
-    assert table[2] == f"| 01 {LECTURES[0].title} | {LECTURES[0].builds} | runs | 21 s (cpu) | 3 min 05 s (cuda) |"
-    assert table[3].endswith("| fails at smoke | 1 min 05 s (cpu), failed |  |")
+    assert table[2] == f"| 01 {LECTURES[0].title} | {LECTURES[0].builds} | runs | 21 s (cpu) | 3 min 05 s (cuda) | 3.1 GiB |"
+    assert table[3].endswith("| fails at smoke | 1 min 05 s (cpu), failed |  |  |")
     for lec, row in zip(LECTURES, table[2:]):
         if lec.status == "planned":
             assert "| planned |" in row

@@ -40,6 +40,9 @@ from lmfs.data import Doc, StageStats
 # folder) and the Debian Reference in a dozen languages (debian-reference-de, -fr, -ja, ... all put
 # their pages, named ch01.de.html etc., in one folder).
 DOC_GLOBS = ("/usr/share/doc/python3*-doc/html", "/usr/share/debian-reference")
+# Folders to read instead, separated by ':' (e.g. the same pages unpacked on a machine without the
+# packages: the GPU suite unpacks the copy `make wheelhouse` packs).
+DOC_ROOTS_VAR = "LMFS_DOC_ROOTS"
 
 CRLF = b"\r\n"
 
@@ -48,9 +51,18 @@ def find_doc_roots() -> list[Path]:
     """Installed documentation folders that hold HTML pages, in a fixed order (may be empty).
 
     Install them on Debian/Ubuntu with ``apt-get install python3-doc debian-reference`` (the second
-    pulls every translation; ``debian-reference-de`` etc. pick one).
+    pulls every translation; ``debian-reference-de`` etc. pick one). ``$LMFS_DOC_ROOTS`` names
+    the folders instead (an error if one holds no pages).
     """
     roots: list[Path] = []
+    chosen = os.environ.get(DOC_ROOTS_VAR, "").strip()
+    if chosen:
+        for folder in chosen.split(":"):
+            real = Path(folder).resolve()
+            if not real.is_dir() or next(real.rglob("*.html"), None) is None:
+                raise FileNotFoundError(f"{DOC_ROOTS_VAR}: {folder} is not a folder of HTML pages")
+            roots.append(real)
+        return roots
     for pattern in DOC_GLOBS:
         for path in sorted(glob.glob(pattern)):
             real = Path(path).resolve()  # python3-doc's folder is a link to python3.X's

@@ -20,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from lmfs.env import resolve_device
+from lmfs.env import NO_BF16_NOTE, default_dtype, resolve_device
 from lmfs.optim import AdamW, clip_grad_norm, cosine_with_warmup, warmup_stable_decay
 from lmfs.train.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint
 from lmfs.train.data import get_batch
@@ -163,8 +163,12 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> AdamW:
 
 def resolve_autocast(mode: str, device: torch.device) -> torch.dtype | None:
     """The dtype ``TrainConfig.autocast`` asks for on ``device``; ``None`` means full precision."""
+    bf16 = default_dtype(device) == torch.bfloat16
     if mode == "auto":
-        mode = "bf16" if device.type == "cuda" else "off"
+        mode = "bf16" if bf16 else "off"   # a GPU without bfloat16 trains in float32
+    elif mode == "bf16" and device.type == "cuda" and not bf16:
+        raise ValueError(f"autocast='bf16' on {torch.cuda.get_device_name(device)}: {NO_BF16_NOTE}; "
+                         "use autocast='auto' or 'off'")
     return torch.bfloat16 if mode == "bf16" else None
 
 
