@@ -155,8 +155,9 @@ def apply_memory_cap(device: torch.device) -> float | None:
         raise ValueError(f"{MEMORY_CAP_VAR}={value!r}: give the cap in GiB, e.g. 22") from None
     if gib <= 0:
         raise ValueError(f"{MEMORY_CAP_VAR}={value!r}: the cap must be positive")
-    total = torch.cuda.get_device_properties(device).total_memory / 2**30
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib / total), index)
     return min(gib, total)
 
 

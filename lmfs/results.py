@@ -204,6 +204,11 @@ def performance_rows() -> list[str]:
                 + f" ({grpo['params'] / 1e6:.2f} M parameters, {grpo['batch']} sequences a step)")
         if "sequential_ratio" in grpo:   # the trainer as taught against the pipelined one
             text += f"; the sequential trainer {grpo['sequential_ratio']:.2f}× the pipelined one's samples/s"
+        before = grpo.get("before_split")
+        if before:   # the same benchmark with the code before a change
+            text += (f"; before the trainer's split ({before['note']}): {before['samples_per_s']:,.0f} samples/s, "
+                     f"{before['useful_generation_share']:.0%} useful (after: {lm['samples_per_s']:,.0f}, "
+                     f"{lm['useful_generation_share']:.0%})")
         others = grpo.get("other_runs", [])   # the same code run again: how far one run is from another
         if others:
             ratio = _span(others, "ratio", "{:.2f}×")

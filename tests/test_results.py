@@ -70,11 +70,11 @@ def test_readme_lecture_table_is_made_from_run_records():
     from lmfs.lectures import TABLE_END, TABLE_START, lecture_table, load_runs
 
     readme = (RESULTS_DIR.parent / "README.md").read_text()
-    records = [RESULTS_DIR / "cpu" / "lectures.json", RESULTS_DIR / "h200" / "lectures.json"]
+    records = [RESULTS_DIR / d / "lectures.json" for d in ("cpu", "h200", "h100")]   # later ones win
     assert all(p.is_file() for p in records)
     assert _block(readme, TABLE_START, TABLE_END) == lecture_table(load_runs(records)), (
         "README's lecture table differs from results/*/lectures.json: run `python -m lmfs.lectures table "
-        "--from results/cpu/lectures.json results/h200/lectures.json --update README.md`")
+        "--from results/cpu/lectures.json results/h200/lectures.json results/h100/lectures.json --update README.md`")
 
 
 def test_performance_table_without_results_says_not_measured(tmp_path, monkeypatch):

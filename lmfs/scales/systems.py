@@ -60,9 +60,11 @@ CONFIGS: dict[str, dict[str, dict]] = {
             torch_fa_block=64,
             profile_shape=(8192, 4096),
             attn_profile=dict(B=4, H=16, T=4096, D=128),  # the timings' T = 4096 shape: tuned already
-            # 131072 × 4096 bf16 = 1 GiB: a forward + backward keeps the GPU busy for over a
-            # millisecond, so the time Python and autograd take to issue it hides behind the kernels
-            bench_shape=(131072, 4096),
+            # 65536 × 4096 bf16 = 512 MiB: a forward + backward still keeps the GPU busy for about a
+            # millisecond, so the time Python and autograd take to issue it hides behind the kernels.
+            # Twice that (1 GiB, with the written-out versions' saved intermediates) went past a
+            # 22 GiB cap (lmfs.env.apply_memory_cap), i.e. would not fit a 24 GB card.
+            bench_shape=(65536, 4096),
             bench_repeats=(5, 30),
             compile=True,
             # a few lengths: each new one re-times the candidates (~1 s), the kernels are compiled once
