@@ -201,7 +201,9 @@ def run_lecture(path: Path, out_dir: Path, scale: str, device: str, timeout: int
                 )
             status, error = "ok", ""
         except Exception as err:  # papermill raises PapermillExecutionError; keep going with the rest
-            status, error = "failed", f"{type(err).__name__}: {str(err)[-2000:]}"
+            printed = failing_cell_output(output)
+            status, error = "failed", (f"{type(err).__name__}: {str(err)[-2000:]}"
+                                       + (f"\nthe failing cell printed: {printed}" if printed else ""))
         seconds = time.perf_counter() - start
         if device.startswith("cuda"):   # the kernel may still be writing as it shuts down
             for _ in range(20):
@@ -210,6 +212,22 @@ def run_lecture(path: Path, out_dir: Path, scale: str, device: str, timeout: int
                 time.sleep(0.25)
         peak, _ = read_peak_memory(peaks)
     return RunResult(path.stem, status, seconds, str(output), error, peak)
+
+
+def failing_cell_output(path: Path, limit: int = 800) -> str:
+    """The end of what the cell that raised printed before it raised (its stdout/stderr streams), read
+    from the executed notebook at ``path``; "" if there is none. A failed check's numbers are
+    usually printed just before its assert, and the traceback alone does not show them."""
+    try:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    for cell in cells:
+        outputs = cell.get("outputs", [])
+        if any(o.get("output_type") == "error" for o in outputs):
+            text = "".join("".join(o.get("text", "")) for o in outputs if o.get("output_type") == "stream")
+            return text.strip()[-limit:]
+    return ""
 
 
 @contextlib.contextmanager

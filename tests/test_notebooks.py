@@ -76,11 +76,12 @@ def test_runner_reports_a_failing_notebook(tmp_path):
     nb = nbformat.v4.new_notebook()
     params = nbformat.v4.new_code_cell("SCALE = 'auto'\nDEVICE = 'auto'")
     params.metadata["tags"] = ["parameters"]
-    nb.cells = [params, nbformat.v4.new_code_cell("assert SCALE == 'smoke', SCALE\nraise ValueError('boom')")]
+    nb.cells = [params, nbformat.v4.new_code_cell("assert SCALE == 'smoke', SCALE\nprint('reward 0.42')\nraise ValueError('boom')")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     src = tmp_path / "nb.ipynb"
     nbformat.write(nb, src)
     result = run_lecture(src, tmp_path / "out", scale="smoke", device="cpu", timeout=60)
     assert result.status == "failed" and "boom" in result.error
+    assert result.error.endswith("the failing cell printed: reward 0.42")   # the numbers before the assert
     assert (tmp_path / "out" / "nb.ipynb").exists()  # the executed copy is kept for inspection
     assert "| nb | failed |" in format_table([result])
