@@ -136,6 +136,7 @@ NO_BF16_NOTE = ("note: this GPU has no bfloat16 (it needs compute capability 8.0
 
 # ---------------------------------------------------------------- GPU memory: a cap and the peak
 
+FULL_SCALE_GIB = 22   # GPU memory a lecture at full scale is sized for: checked by runs under LMFS_GPU_MEMORY_GB=22
 MEMORY_CAP_VAR = "LMFS_GPU_MEMORY_GB"   # GiB a process may allocate on its GPU (e.g. 22 for a 24 GB card)
 PEAK_DIR_VAR = "LMFS_PEAK_MEMORY_DIR"   # where each process writes its peak GPU memory when it exits
 
@@ -308,4 +309,10 @@ def setup(scale: str = "auto", device: str = "auto", seed: int = 0, quiet: bool 
             print(f"GPU memory capped at {cap:.0f} GiB for this process ({MEMORY_CAP_VAR})")
         if dev.type == "cuda" and session.dtype != torch.bfloat16:
             print(NO_BF16_NOTE)
+        if dev.type == "cuda" and session.full:
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            memory = torch.cuda.get_device_properties(index).total_memory / 2**30
+            if memory < FULL_SCALE_GIB:
+                print(f"note: full scale is sized to fit {FULL_SCALE_GIB} GiB of GPU memory (a 24 GB card); this GPU "
+                      f"has {memory:.0f} GiB: if a lecture runs out of memory, run it with SCALE='smoke'")
     return session
