@@ -91,10 +91,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for p in ps:
                     comm.broadcast(p, src=0, group=group)
-            launch = self._reduce_scatter if stage == 2 else None
+            launch = self.reduce_scatter_bucket if stage == 2 else None
             buckets = GradBuckets(ps, bucket_size_mb, launch, pad_to=self.n)
             for b in buckets.buckets:
-                self._flatten(b)
+                self.shard_bucket(b)
             self.bucketers.append(buckets)
             options = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({**options, "params": [b.shard for b in buckets.buckets]})
@@ -104,11 +104,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.state = self.inner.state
 
-    def _flatten(self, b: Bucket):
+    def shard_bucket(self, b: Bucket):
         """Move the bucket's parameters into one flat buffer; this rank's 1/n is its ``shard``.
 
-        Adds to the bucket: ``flat_params``, ``shard`` and ``reduced`` (stage 2's shard of the
-        summed gradient, while it is in flight).
+        The model keeps reading full parameters (views into the buffer), the inner optimizer
+        steps only the shard, and the all-gather at the end of :meth:`step` writes the other
+        ranks' shards into the same buffer. Adds to the bucket: ``flat_params``, ``shard`` and
+        ``reduced`` (stage 2's shard of the summed gradient, while it is in flight).
         """
         p0 = b.params[0]
         b.flat_params = torch.zeros(b.numel, dtype=p0.dtype, device=p0.device)
@@ -124,9 +126,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def buckets(self) -> list[Bucket]:
         return [b for bk in self.bucketers for b in bk.buckets]
 
-    def _reduce_scatter(self, b: Bucket):
-        # Stage 2, inside backward: this bucket's gradients are complete on this rank. Everyone
-        # sends each owner the pieces it owns; the owner receives the sum (pre-divided: the mean).
+    def reduce_scatter_bucket(self, b: Bucket):
+        """Stage 2, called inside backward by the bucket hooks of :class:`GradBuckets` once this
+        bucket's gradients are complete on this rank: start a reduce-scatter that leaves each rank
+        only the mean gradient of its own shard (``b.reduced``); returns the pending work."""
+        # Everyone sends each owner the pieces it owns; the owner receives the sum (pre-divided:
+        # the mean).
         b.grads.div_(self.n)
         b.reduced = torch.empty(b.numel // self.n, dtype=b.grads.dtype, device=b.grads.device)
         return comm.reduce_scatter_into(b.reduced, b.grads, group=self.group, async_op=True)
