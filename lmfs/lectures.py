@@ -257,8 +257,46 @@ def format_table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeout=900) -> list[RunResult]:
-    """Run the lectures present (or ``only`` those), print a status/duration table, write reports."""
+# Lectures that must run one after another, in this order, when lectures run side by side: 16 and
+# 17 reuse the base and SFT models that 15 trains and caches (lmfs.alignment), and would each train
+# them at the same time otherwise.
+CHAINS = (("15", "16", "17"),)
+
+
+def _chains(paths: list[Path]) -> list[list[Path]]:
+    """``paths`` grouped into the runs that go one after another (:data:`CHAINS`), longest first."""
+    number = {lec.stem: lec.number for lec in LECTURES}
+    groups: list[list[Path]] = []
+    placed: dict[str, list[Path]] = {}
+    for path in paths:
+        chain = next((c for c in CHAINS if number.get(path.stem) in c), None)
+        if chain is None:
+            groups.append([path])
+        elif chain in placed:
+            placed[chain].append(path)
+        else:
+            placed[chain] = [path]
+            groups.append(placed[chain])
+    return sorted(groups, key=len, reverse=True)   # (a stable sort: otherwise in the order given)
+
+
+def _write_reports(out: Path, scale: str, device: str, results: list[RunResult]) -> str:
+    """``lectures.md`` and ``lectures.json`` in ``out`` for ``results`` so far (rewritten after each
+    lecture, so a run stopped part-way keeps what finished); returns the table."""
+    table = format_table(results)
+    (out / "lectures.md").write_text(f"scale={scale} device={device}\n\n{table}\n")
+    (out / "lectures.json").write_text(json.dumps(
+        {"scale": scale, "device": device, "results": [r.__dict__ for r in results]}, indent=1))
+    return table
+
+
+def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeout=900, jobs=1) -> list[RunResult]:
+    """Run the lectures present (or ``only`` those), print a status/duration table, write reports.
+
+    ``jobs`` > 1 runs that many lectures at a time, each group in its own process (on one GPU they
+    share it, so their times are longer than alone); the lectures of a :data:`CHAINS` entry run one
+    after another in one group. The reports are rewritten as each lecture finishes, so a run
+    stopped part-way keeps what finished."""
     from lmfs.env import resolve_device, resolve_scale
 
     scale = resolve_scale(scale)
@@ -267,21 +305,82 @@ def run_lectures(only=None, scale="auto", device="auto", out_dir="build", timeou
     paths = lecture_paths(only)
     if not paths:
         raise SystemExit(f"no lecture notebooks matched {only!r} in {LECTURE_DIR}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for path in paths:
-        print(f"running {path.name} (scale={scale}, device={device}) ...", flush=True)
-        res = run_lecture(path, out, scale, device, timeout)
-        print(f"  {res.status} in {res.seconds:.1f} s" + (f"\n  {res.error[-600:]}" if res.error else ""), flush=True)
-        results.append(res)
-    table = format_table(results)
-    print(table)
-    (out / "lectures.md").write_text(f"scale={scale} device={device}\n\n{table}\n")
-    (out / "lectures.json").write_text(json.dumps(
-        {"scale": scale, "device": device, "results": [r.__dict__ for r in results]}, indent=1))
+    order = {path.stem: i for i, path in enumerate(paths)}
+    results: dict[str, RunResult] = {}
+
+    def finished(res: RunResult) -> None:
+        results[res.lecture] = res
+        _write_reports(out, scale, device, sorted(results.values(), key=lambda r: order[r.lecture]))
+
+    if jobs == 1:
+        for path in paths:
+            print(f"running {path.name} (scale={scale}, device={device}) ...", flush=True)
+            res = run_lecture(path, out, scale, device, timeout)
+            finished(res)   # (before the line below: a parent process reads the report when it sees it)
+            print(f"  {res.status} in {res.seconds:.1f} s" + (f"\n  {res.error[-600:]}" if res.error else ""), flush=True)
+    else:
+        _run_side_by_side(_chains(paths), out, scale, device, timeout, jobs, finished)
+    ordered = sorted(results.values(), key=lambda r: order[r.lecture])
+    print(_write_reports(out, scale, device, ordered))
     print(f"executed notebooks, lectures.md and lectures.json in {out.resolve()}/ "
           "(`make book` turns them into HTML pages)")
-    return results
+    return ordered
+
+
+def _run_side_by_side(groups: list[list[Path]], out: Path, scale: str, device: str, timeout: int, jobs: int,
+                      finished) -> None:
+    """Each group of lectures by a ``python -m lmfs.lectures run`` of its own, ``jobs`` at a time,
+    into ``out/.jobs/<first lecture>/``; each executed notebook is moved to ``out`` and its result
+    handed to ``finished`` as soon as its process reports it. The processes start in the environment
+    the user started Python with (:func:`lmfs.env.kernel_environment`), as their kernels must."""
+    import shutil
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lmfs.env import kernel_environment
+
+    with kernel_environment():
+        env = dict(os.environ)
+    lock = threading.Lock()
+
+    def run_group(group: list[Path]) -> None:
+        folder = out / ".jobs" / group[0].stem
+        shutil.rmtree(folder, ignore_errors=True)
+        cmd = [sys.executable, "-m", "lmfs.lectures", "run", "--scale", scale, "--device", device,
+               "--timeout", str(timeout), "--out", str(folder), "--only", *(p.stem for p in group)]
+        seen: set[str] = set()
+
+        def collect() -> None:
+            report = folder / "lectures.json"
+            if not report.is_file():
+                return
+            for r in json.loads(report.read_text())["results"]:
+                if r["lecture"] in seen:
+                    continue
+                seen.add(r["lecture"])
+                notebook = folder / f"{r['lecture']}.ipynb"
+                if notebook.is_file():
+                    shutil.move(str(notebook), out / notebook.name)
+                    r["output"] = str(out / notebook.name)
+                with lock:
+                    finished(RunResult(**r))
+
+        tag = f"[{group[0].stem[:2]}]"
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                print(f"{tag} {line}", end="", flush=True)
+                if line.startswith("  ") and (" ok in " in line or " failed in " in line):
+                    collect()
+        collect()
+        shutil.rmtree(folder, ignore_errors=True)   # its notebooks moved, its results handed on
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for future in [pool.submit(run_group, group) for group in groups]:
+            future.result()
 
 
 # ---------------------------------------------------------------- the README's lecture table
@@ -444,6 +543,8 @@ def main(argv=None) -> int:
     run.add_argument("--only", nargs="*", help="lecture numbers or names (default: all present)")
     run.add_argument("--out", default="build")
     run.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    run.add_argument("--jobs", type=int, default=1,
+                     help="lectures run at a time, each in its own kernel (15, 16, 17 still one after another)")
     table = sub.add_parser("table", help="the markdown lecture table from run reports")
     table.add_argument("--from", dest="reports", nargs="+", required=True, metavar="LECTURES_JSON",
                        help="lectures.json files written by `run` (e.g. a smoke and a full run)")
@@ -468,7 +569,9 @@ def main(argv=None) -> int:
         except (ValueError, RuntimeError) as err:
             option = "--device (make: DEVICE=)" if "device" in str(err) else "--only (make: ONLY=)"
             run.exit(2, f"{run.prog}: error: {option}: {err}\n")
-        results = run_lectures(args.only, args.scale, args.device, args.out, args.timeout)
+        if args.jobs < 1:
+            run.exit(2, f"{run.prog}: error: --jobs (make: JOBS=) must be at least 1, got {args.jobs}\n")
+        results = run_lectures(args.only, args.scale, args.device, args.out, args.timeout, args.jobs)
         return 0 if all(r.status == "ok" for r in results) else 1
     if args.cmd == "table":
         block = lecture_table(load_runs(args.reports))
