@@ -105,3 +105,80 @@ def test_dsir_weights_and_resampling():
     assert (kl_divergence(dsir.p, dsir.distribution([raw[i] for i in chosen]))
             < kl_divergence(dsir.p, dsir.distribution([raw[i] for i in random_pick])))
     assert math.isclose(kl_divergence(dsir.p, dsir.p), 0.0, abs_tol=1e-12)
+
+
+# ------------------------------------------------------------------ hard negatives and average precision
+
+def test_average_precision_and_curve_match_sklearn():
+    from sklearn.metrics import average_precision_score, precision_recall_curve
+
+    from lmfs.data.classifier import average_precision
+
+    rng = np.random.default_rng(0)
+    for case in range(60):
+        n = int(rng.integers(2, 80))
+        # Half the cases with many ties (scores on a coarse grid), where the step curve's shape matters.
+        scores = rng.integers(0, 5, n) / 4 if case % 2 else rng.random(n)
+        truth = rng.random(n) < 0.4
+        if not truth.any():
+            continue
+        assert math.isclose(average_precision(scores, truth), average_precision_score(truth, scores), rel_tol=1e-12)
+        precision, recall, thresholds = precision_recall_curve(truth, scores)
+        ours = precision_recall(scores, truth, thresholds)
+        np.testing.assert_allclose(ours["precision"], precision[:-1], rtol=1e-12)
+        np.testing.assert_allclose(ours["recall"], recall[:-1], rtol=1e-12)
+    assert average_precision([0.9, 0.8, 0.1], [True, True, False]) == 1.0
+    with pytest.raises(ValueError, match="positive"):
+        average_precision([0.1, 0.2], [False, False])
+
+
+def test_bigram_sampler_draws_seen_pairs_at_their_frequencies():
+    from lmfs.data.negatives import BigramSampler
+
+    source = STORIES[:40]
+    sampler = BigramSampler(source)
+    texts = sampler.sample([30, 1, 120], np.random.default_rng(0))
+    assert [len(t.split()) for t in texts] == [30, 1, 120]
+    words = " ".join(source).split()
+    pairs = set(zip(words, words[1:]))                  # brute force over the stream
+    assert all(set(zip(t.split(), t.split()[1:])) <= pairs for t in texts)
+    assert texts == sampler.sample([30, 1, 120], np.random.default_rng(0))      # a seed fixes the text
+    # "a" is followed by "b" three times and by "c" once: P(b | a) = 3/4.
+    toy = BigramSampler(["a b a b a b a c z"])
+    follow = Counter()
+    for text in toy.sample([400] * 20, np.random.default_rng(1)):
+        w = text.split()
+        follow.update(nxt for cur, nxt in zip(w, w[1:]) if cur == "a")
+    n = follow["b"] + follow["c"]
+    assert set(follow) == {"b", "c"} and abs(follow["b"] / n - 0.75) < 4 * math.sqrt(0.75 * 0.25 / n)
+
+
+def test_near_misses_keep_most_of_the_good_text():
+    from lmfs.data.negatives import BOILERPLATE, near_miss, split_sentences
+
+    story, rng = STORIES[3], np.random.default_rng(0)
+    shuffled = near_miss(story, "shuffled", rng)
+    assert Counter(shuffled.split()) == Counter(story.split()) and shuffled.count("\n\n") == story.count("\n\n")
+    assert sorted(s for p in shuffled.split("\n\n") for s in split_sentences(p)) == \
+        sorted(s for p in story.split("\n\n") for s in split_sentences(p))
+    boiler = near_miss(story, "boilerplate", rng).split("\n\n")
+    assert [p for p in boiler if p not in BOILERPLATE] == story.split("\n\n") and 3 <= len(boiler) - 2 <= 6
+    truncated = near_miss(story, "truncated", rng)
+    assert story.startswith(truncated) and 0.1 < len(truncated.split()) / len(story.split()) < 0.5
+    lines = near_miss(story, "repeated", rng).split("\n")
+    assert lines[0] == story.split("\n\n")[0] and 5 <= len(lines) - 1 <= 12 and len(set(lines[1:])) == 1
+    assert lines[1] in split_sentences(lines[0])
+    with pytest.raises(ValueError, match="near-miss kind"):
+        near_miss(story, "rotated", rng)
+
+
+def test_negatives_mix():
+    from lmfs.data.negatives import KINDS, negatives
+
+    texts, kinds = negatives(STORIES[:30], {"bigram salad": 5, "shuffled": 3, "word salad": 2},
+                             np.random.default_rng(0))
+    assert Counter(kinds) == {"bigram salad": 5, "shuffled": 3, "word salad": 2} and len(texts) == 10
+    texts, kinds = negatives(STORIES[:30], 2, np.random.default_rng(0))
+    assert Counter(kinds) == {k: 2 for k in KINDS} and all(t.strip() for t in texts)
+    with pytest.raises(ValueError, match="unknown kinds"):
+        negatives(STORIES[:30], {"gibberish": 1}, np.random.default_rng(0))

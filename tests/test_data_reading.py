@@ -185,6 +185,51 @@ def test_langid_learns_the_sample_languages():
     assert stage.stats.removed == Counter({"language de": 1, "low confidence": 1})
 
 
+
+def test_phrase_halves_are_disjoint_and_the_site_keeps_its_languages():
+    from lmfs.data.sample import PHRASES, SITE_FOREIGN, sentence
+
+    for lang, lists in PHRASES.items():
+        odd_subjects = lists["subj"][1::2]
+        rng = random.Random(0)
+        for _ in range(200):
+            text = sentence(rng, lang, half=0)
+            # Every even-half sentence starts with an even-half subject (or an even-half opener).
+            assert any(text.startswith(p) or text.lower().startswith(p.lower())
+                       for p in lists["subj"][0::2] + lists["open"][0::2]), (lang, text)
+            assert not any(subj in text for subj in odd_subjects if all(subj not in e for e in lists["subj"][0::2]))
+    site = generate_site(300, seed=0)
+    assert {p.lang for p in site if p.kind == "foreign"} == set(SITE_FOREIGN)
+
+
+def test_langid_challenge_categories():
+    from lmfs.data.sample import CODE_SNIPPETS, LANGID_CATEGORIES, langid_challenge
+
+    texts, labels, kinds = langid_challenge(5, seed=3)
+    assert Counter(zip(kinds, labels)) == {(k, lang): 5 for k in LANGID_CATEGORIES for lang in LANGUAGES}
+    for text, lang, kind in zip(texts, labels, kinds):
+        cjk = sum("\u4e00" <= c <= "\u9fff" for c in text)
+        if kind == "short":
+            # Chinese: characters, maybe one comma of an opener; others: words.
+            assert (3 <= len(text) <= 6 and cjk >= len(text) - 1) if lang == "zh" else 2 <= len(text.split()) <= 4
+        if kind == "code":
+            assert any(snippet in text for snippet in CODE_SNIPPETS)
+        if lang == "zh" and kind == "paragraph":
+            assert cjk + text.count("，") + text.count("。") == len(text)
+        if lang == "zh" and kind == "mixed":  # Chinese holds at least two thirds of the characters
+            assert 2 / 3 * len(text) <= cjk + text.count("，") + text.count("。") < len(text)
+    assert langid_challenge(5, seed=3) == (texts, labels, kinds)
+
+
+def test_py3langid_restricted_to_languages():
+    from lmfs.data.langid import py3langid_languages, py3langid_predict
+
+    assert {"en", "de", "zh", "ja"} <= set(py3langid_languages())
+    for text in ["garden near", "Der Stadtrat", "市议会每年春天建设一个新公园。", "x = 1"]:
+        assert py3langid_predict(text, ["en", "nl"])[0] in ("en", "nl")
+    assert py3langid_predict("市议会在清晨修理火车时刻表。")[0] == "zh"
+
+
 # ------------------------------------------------------------------ PII
 
 @pytest.mark.parametrize("text, want", [

@@ -11,9 +11,10 @@ pipeline a web crawl goes through, one module per step:
     ngram.py       n-gram hashes and a Kneser-Ney language model (perplexity filtering)
     classifier.py  a fastText-style quality classifier
     dsir.py        importance resampling toward a target distribution
+    negatives.py   low-quality text to test filters on: salads and near misses of good text
     dedup.py       exact, Bloom-filter and MinHash/LSH deduplication
     pipeline.py    the sharded, resumable run of all of it over many files
-    sample.py      a generated web site to run all of it on without a network
+    sample.py      a generated web site to run all of it on without a network (and language-id tests)
 
 Every step is a :class:`Stage`: called on a :class:`Doc`, it returns the document (kept, maybe
 changed) or ``None`` (removed), and records in its :class:`StageStats` how many it saw and kept,

@@ -125,6 +125,24 @@ def precision_recall(scores: np.ndarray, positive: np.ndarray, thresholds) -> di
     return dict(threshold=t, precision=precision, recall=recall, kept=n_kept)
 
 
+def average_precision(scores: np.ndarray, positive: np.ndarray) -> float:
+    """The area under the step-shaped precision-recall curve: ``Σ_k (R_k - R_{k-1}) · P_k``.
+
+    ``k`` runs over the distinct scores from the highest down, ``P_k`` and ``R_k`` being the
+    precision and recall of "keep if score >= the k-th score" (``R_0 = 0``). 1.0 for a ranking that
+    puts every positive first; about the share of positives for a random one.
+    """
+    scores, positive = np.asarray(scores, dtype=np.float64), np.asarray(positive, dtype=bool)
+    if not positive.any():
+        raise ValueError("average precision needs at least one positive document")
+    order = np.argsort(-scores, kind="stable")
+    s, y = scores[order], positive[order]
+    last = np.append(s[1:] != s[:-1], True)  # the last document of each run of equal scores
+    tp, kept = np.cumsum(y)[last], np.flatnonzero(last) + 1
+    recall = tp / y.sum()
+    return float(np.sum(np.diff(recall, prepend=0.0) * tp / kept))
+
+
 class QualityFilter(Stage):
     """Keep documents whose classifier probability of ``positive`` is at least ``threshold``.
 

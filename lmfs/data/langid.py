@@ -88,17 +88,34 @@ def train_langid(texts: Sequence[str], labels: Sequence[str], n_buckets: int = 1
     return HashedLangID(classifier.fit(texts, labels))
 
 
-def py3langid_predict(text: str) -> tuple[str, float]:
-    """``py3langid``'s answer (97 languages, model in its wheel), probability normalised."""
+def _py3langid(languages: tuple[str, ...] | None = None):
+    """The ``py3langid`` identifier, loaded once per process; restricted to ``languages`` if given
+    (a shallow copy of the loaded one, so the full model is shared)."""
+    import copy
+
     from py3langid.langid import MODEL_FILE, LanguageIdentifier
-    global _PY3LANGID
-    if _PY3LANGID is None:  # loading the model takes a moment: once per process
-        _PY3LANGID = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
-    lang, prob = _PY3LANGID.classify(text)
+    if None not in _PY3LANGID:  # loading the model takes a moment: once per process
+        _PY3LANGID[None] = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+    if languages not in _PY3LANGID:
+        restricted = copy.copy(_PY3LANGID[None])
+        restricted.set_languages(list(languages))
+        _PY3LANGID[languages] = restricted
+    return _PY3LANGID[languages]
+
+
+def py3langid_predict(text: str, languages: Sequence[str] | None = None) -> tuple[str, float]:
+    """``py3langid``'s answer (its model ships in the wheel: :func:`py3langid_languages`), probability
+    normalised; ``languages`` restricts the choice to those codes."""
+    lang, prob = _py3langid(None if languages is None else tuple(sorted(languages))).classify(text)
     return lang, float(prob)
 
 
-_PY3LANGID = None
+def py3langid_languages() -> list[str]:
+    """The distinct language codes ``py3langid``'s model can answer."""
+    return sorted(set(_py3langid().nb_classes))
+
+
+_PY3LANGID: dict = {}
 
 
 class LanguageFilter(Stage):

@@ -124,15 +124,35 @@ PHRASES = {
              "без чужой помощи", "рано утром", "из-за дождя", "перед праздниками", "в конце месяца",
              "с помощью волонтёров"],
         open=["Однако,", "Кроме того,", "Поэтому", "В прошлом году", "Как и ожидалось,", "Конечно,"]),
+    # Chinese: no spaces between words, the adverbial before the verb, a full-width full stop.
+    "zh": dict(
+        subj=["市议会", "我们的小团队", "新图书馆", "一位年轻的农民", "那座老桥", "这本简短的指南", "气象局",
+              "博物馆", "我的邻居", "这所学校", "街角的面包店", "一位年轻的工程师", "村里的合唱团"],
+        verb=["建造", "描述", "需要", "打开", "改变", "保护", "解释", "改进", "参观", "修理", "计划", "展示",
+              "收集"],
+        obj=["一个新公园", "主要道路", "晚上的集市", "一种简单的方法", "供水系统", "学校的菜园", "一张旧地图",
+             "火车时刻表", "一间安静的阅览室", "自行车道", "年度报告", "一个小型展览"],
+        adv=["每年春天", "在漫长的冬天之后", "非常仔细地", "在港口附近", "第一次", "在没有任何帮助的情况下",
+             "在清晨", "因为下雨", "在假期之前", "在月底", "在志愿者的帮助下"],
+        open=["但是，", "此外，", "因此，", "去年，", "正如预期，", "当然，"]),
 }
 LANGUAGES = tuple(PHRASES)
+# The generated site's foreign pages (Chinese is used for language identification only).
+SITE_FOREIGN = ("de", "fr", "es", "it", "nl", "ru")
 # German and Dutch put the verb second: after an opener, the subject follows the verb.
 _V2 = {"de", "nl"}
+_NO_SPACES = {"zh"}
 
 
-def sentence(rng: random.Random, lang: str) -> str:
-    p = PHRASES[lang]
+def sentence(rng: random.Random, lang: str, half: int | None = None) -> str:
+    """One sentence in ``lang`` from :data:`PHRASES`. ``half`` 0 or 1 draws only the phrases at even or
+    odd positions of each list, so that texts of one half share no phrase with texts of the other (a
+    classifier trained on one half is tested on words it never saw)."""
+    p = PHRASES[lang] if half is None else {k: v[half::2] for k, v in PHRASES[lang].items()}
     subj, verb, obj, adv = (rng.choice(p[k]) for k in ("subj", "verb", "obj", "adv"))
+    if lang in _NO_SPACES:
+        opener = rng.choice(p["open"]) if rng.random() < 0.3 else ""
+        return f"{opener}{subj}{adv}{verb}{obj}。"
     if rng.random() < 0.3:
         opener = rng.choice(p["open"])
         if lang in _V2:  # "Deshalb baut der Stadtrat ...": verb second, subject after it
@@ -141,8 +161,9 @@ def sentence(rng: random.Random, lang: str) -> str:
     return f"{subj} {verb} {obj} {adv}."
 
 
-def paragraph(rng: random.Random, lang: str, n_sentences: int | None = None) -> str:
-    return " ".join(sentence(rng, lang) for _ in range(n_sentences or rng.randint(3, 6)))
+def paragraph(rng: random.Random, lang: str, n_sentences: int | None = None, half: int | None = None) -> str:
+    sep = "" if lang in _NO_SPACES else " "
+    return sep.join(sentence(rng, lang, half) for _ in range(n_sentences or rng.randint(3, 6)))
 
 
 _PROSE: list[str] = []
@@ -161,12 +182,82 @@ def english_paragraphs(rng: random.Random, k: int) -> list[str]:
     return rng.sample(_PROSE, k)
 
 
-def sample_texts(n_per_lang: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """``n_per_lang`` paragraphs in each of :data:`LANGUAGES`, shuffled: ``(texts, labels)``."""
+def sample_texts(n_per_lang: int, seed: int = 0, half: int | None = None) -> tuple[list[str], list[str]]:
+    """``n_per_lang`` paragraphs in each of :data:`LANGUAGES`, shuffled: ``(texts, labels)``.
+
+    ``half``: as in :func:`sentence`; None draws from every phrase."""
     rng = random.Random(seed)
-    pairs = [(paragraph(rng, lang, rng.randint(1, 4)), lang) for lang in LANGUAGES for _ in range(n_per_lang)]
+    pairs = [(paragraph(rng, lang, rng.randint(1, 4), half), lang) for lang in LANGUAGES for _ in range(n_per_lang)]
     rng.shuffle(pairs)
     return [t for t, _ in pairs], [lang for _, lang in pairs]
+
+
+# Hard cases for language identification (lecture 13): how a paragraph introduces a code example in
+# each language, and short code snippets of several kinds. Every entry is written for this module.
+_CODE_INTRO = {"en": "For example:", "de": "Zum Beispiel:", "fr": "Par exemple :", "es": "Por ejemplo:",
+               "it": "Per esempio:", "nl": "Bijvoorbeeld:", "ru": "Например:", "zh": "例如："}
+CODE_SNIPPETS = [
+    "for i in range(10):\n    total += prices[i]",
+    "$ sudo apt-get install python3-doc",
+    "if (x > 0) { return x * 2; }",
+    'config = {"timeout": 30, "retries": 3}',
+    'git commit -m "fix the parser"',
+    "SELECT name, email FROM users WHERE id = 42;",
+    "def area(r):\n    return 3.14159 * r ** 2",
+    "export PATH=$HOME/bin:$PATH",
+    "print(len(words), sorted(counts.items()))",
+    '<a class="button" href="/download">Download</a>',
+]
+LANGID_CATEGORIES = ("paragraph", "short", "mixed", "code")
+
+
+def _snippet(rng: random.Random, lang: str, half: int | None) -> str:
+    """Two to four consecutive words of a sentence (three to six characters for Chinese)."""
+    text = sentence(rng, lang, half).rstrip("。.")
+    if lang in _NO_SPACES:
+        k = rng.randint(3, 6)
+        start = rng.randint(0, max(len(text) - k, 0))
+        return text[start:start + k]
+    words = text.split()
+    k = min(rng.randint(2, 4), len(words))
+    start = rng.randint(0, len(words) - k)
+    return " ".join(words[start:start + k])
+
+
+def _mixed(rng: random.Random, lang: str, half: int | None) -> str:
+    """A paragraph in ``lang`` with one sentence of another language inside; ``lang`` holds at least
+    two thirds of the characters."""
+    other = sentence(rng, rng.choice([x for x in LANGUAGES if x != lang]), half)
+    own = [sentence(rng, lang, half), sentence(rng, lang, half)]
+    while sum(map(len, own)) < 2 * len(other):
+        own.append(sentence(rng, lang, half))
+    own.insert(rng.randint(1, len(own)), other)
+    return ("" if lang in _NO_SPACES else " ").join(own)
+
+
+def _with_code(rng: random.Random, lang: str, half: int | None) -> str:
+    """One or two sentences in ``lang``, the language's "for example:" and one or two code snippets."""
+    code = "\n".join(rng.sample(CODE_SNIPPETS, rng.randint(1, 2)))
+    return f"{paragraph(rng, lang, rng.randint(1, 2), half)} {_CODE_INTRO[lang]}\n{code}"
+
+
+def langid_challenge(n_per_lang: int, seed: int = 0, half: int | None = 1) -> tuple[list[str], list[str], list[str]]:
+    """Harder texts for language identification: ``(texts, labels, categories)``.
+
+    ``n_per_lang`` texts per language of :data:`LANGUAGES` in each of :data:`LANGID_CATEGORIES`:
+    ``paragraph`` (one to four clean sentences, as :func:`sample_texts`), ``short`` (two to four
+    words, or three to six Chinese characters), ``mixed`` (one sentence of another language among
+    at least twice as many characters of the labelled one) and ``code`` (a sentence or two
+    introducing one or two code snippets, which are mostly English keywords and symbols). The
+    sentences come from phrase half ``half`` (:func:`sentence`): by default the half that
+    ``sample_texts(..., half=0)`` never uses.
+    """
+    rng = random.Random(f"lmfs-langid-challenge:{seed}")
+    make = {"paragraph": lambda lang: paragraph(rng, lang, rng.randint(1, 4), half),
+            "short": lambda lang: _snippet(rng, lang, half), "mixed": lambda lang: _mixed(rng, lang, half),
+            "code": lambda lang: _with_code(rng, lang, half)}
+    rows = [(make[cat](lang), lang, cat) for cat in LANGID_CATEGORIES for lang in LANGUAGES for _ in range(n_per_lang)]
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
 @dataclass
@@ -242,7 +333,7 @@ def generate_site(n_pages: int, seed: int = 0) -> list[SamplePage]:
             page = SamplePage(url, _page(title, paragraphs).encode(), kind, main_text="\n".join([title] + paragraphs))
             articles.append(page)
         elif kind == "foreign":
-            lang = rng.choice([lang for lang in LANGUAGES if lang != "en"])
+            lang = rng.choice(SITE_FOREIGN)
             title = sentence(rng, lang).rstrip(".")[:60]
             paragraphs = [paragraph(rng, lang) for _ in range(rng.randint(3, 6))]
             page = SamplePage(url, _page(title, paragraphs, lang).encode(), kind, lang,

@@ -59,8 +59,9 @@ CONFIGS: dict[str, dict[str, dict]] = {
             crawl_pages=300,           # pages of the crawl: installed Debian docs if any, else the generated site
             shard_pages=150,           # pages in each of the two shards of the sharded run
             compare_pages=120,         # pages the three extractors are scored on
-            langid_train_per_lang=100,  # generated paragraphs per language to train the classifier
+            langid_train_per_lang=100,  # generated paragraphs per language to train the classifier (half the phrases)
             langid_test_per_lang=40,   # held-out paragraphs per language
+            langid_hard_per_lang=30,   # texts per language in each hard category (short, mixed, code, ...)
             langid_epochs=5,
             langid_buckets=1 << 16,
         ),
@@ -70,6 +71,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             compare_pages=500,
             langid_train_per_lang=400,
             langid_test_per_lang=200,
+            langid_hard_per_lang=100,
             langid_epochs=8,
             langid_buckets=1 << 18,
         ),
