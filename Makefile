@@ -35,7 +35,7 @@ help:
 	@echo "make test-browser     JupyterLab in headless Chromium: open every lecture, run lecture 01"
 	@echo "                      through the UI, move a control of every explorer; screenshots in"
 	@echo "                      build/browser/ (needs: apt-get install chromium)"
-	@echo "make lectures         run notebooks with papermill into build/ (SCALE=, DEVICE=, ONLY=)"
+	@echo "make lectures         run notebooks with papermill into build/ (SCALE=, DEVICE=, ONLY=, JOBS= at a time)"
 	@echo "make book             executed notebooks in BOOK_FROM (default build/) -> HTML site in build/book/"
 	@echo "make check-lectures  each lecture at smoke with one fault planted in lmfs (lmfs/faults.py): it must fail (ONLY=)"
 	@echo "make clean-notebooks  strip outputs from lectures/*.ipynb"
@@ -102,7 +102,7 @@ endif
 endif
 
 lectures: venv
-	$(BIN)/python -m lmfs.lectures run --scale $(SCALE) --device $(DEVICE) --out build $(if $(ONLY),--only $(ONLY))
+	$(BIN)/python -m lmfs.lectures run --scale $(SCALE) --device $(DEVICE) --out build $(if $(ONLY),--only $(ONLY)) $(if $(JOBS),--jobs $(JOBS))
 
 book: venv
 	$(BIN)/python -m lmfs.lectures book --from $(BOOK_FROM) --out build/book

@@ -14,6 +14,8 @@
 # TESTS (default "tests") and LECTURES (default: all; e.g. "02 05") narrow steps 2 and 3;
 # "none" skips one. LMFS_GPU_MEMORY_GB=22 caps each lecture's GPU memory as a 24 GB card would
 # (lmfs.env.apply_memory_cap); the lecture table records each lecture's peak either way.
+# LECTURE_JOBS=6 runs six lectures at a time on the GPU (lmfs.lectures run --jobs): all 17 at full
+# scale in about ten minutes, each slower than alone; lectures.json is rewritten as each finishes.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu}
@@ -22,6 +24,7 @@ GPU_BENCHES=${GPU_BENCHES:-}
 LECTURE_TIMEOUT=${LECTURE_TIMEOUT:-600}
 TESTS=${TESTS:-tests}
 LECTURES=${LECTURES:-}
+LECTURE_JOBS=${LECTURE_JOBS:-1}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
@@ -67,7 +70,7 @@ fi
 if [ "$LECTURES" != none ]; then
   echo "== lectures at full scale: ${LECTURES:-all} =="
   python3 -m lmfs.lectures run --scale full --device cuda --out build/gpu-lectures --timeout "$LECTURE_TIMEOUT" \
-    ${LECTURES:+--only $LECTURES} || failed+=("lectures")
+    --jobs "$LECTURE_JOBS" ${LECTURES:+--only $LECTURES} || failed+=("lectures")
   cp build/gpu-lectures/lectures.json "$OUT/" 2>/dev/null
   { echo; echo "## Lectures (papermill, full scale)"; echo; cat build/gpu-lectures/lectures.md 2>/dev/null; } >> "$report"
   tar -czf "$OUT/notebooks.tar.gz" -C build gpu-lectures 2>/dev/null

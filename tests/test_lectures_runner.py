@@ -146,3 +146,18 @@ def test_run_lectures_says_where_it_wrote_the_notebooks(tmp_path, monkeypatch, c
     lectures.run_lectures(["01"], "smoke", "cpu", tmp_path / "build")
     printed = capsys.readouterr().out
     assert f"executed notebooks, lectures.md and lectures.json in {(tmp_path / 'build').resolve()}/" in printed
+
+
+def test_side_by_side_groups_keep_the_alignment_chain_in_order():
+    from lmfs.lectures import _chains, lecture_paths
+
+    groups = [[p.stem[:2] for p in g] for g in _chains(lecture_paths(["17", "05", "15", "16", "07"]))]
+    assert groups == [["15", "16", "17"], ["05"], ["07"]]   # the chain first, then the rest in order
+
+
+def test_jobs_must_be_positive(capsys):
+    from lmfs.lectures import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "--only", "05", "--scale", "smoke", "--device", "cpu", "--jobs", "0"])
+    assert stop.value.code == 2 and "--jobs (make: JOBS=) must be at least 1" in capsys.readouterr().err
