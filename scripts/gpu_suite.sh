@@ -15,7 +15,7 @@
 # "none" skips one. LMFS_GPU_MEMORY_GB=22 caps each lecture's GPU memory as a 24 GB card would
 # (lmfs.env.apply_memory_cap); the lecture table records each lecture's peak either way.
 # LECTURE_JOBS=6 runs six lectures at a time on the GPU (lmfs.lectures run --jobs): all 17 at full
-# scale in about ten minutes, each slower than alone; lectures.json is rewritten as each finishes.
+# scale, each slower than alone; lectures.json is rewritten as each finishes.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu}
