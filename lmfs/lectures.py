@@ -345,6 +345,9 @@ def _run_side_by_side(groups: list[list[Path]], out: Path, scale: str, device: s
 
     with kernel_environment():
         env = dict(os.environ)
+    # The cores shared out among the groups (unless the user chose): torch's default of one thread
+    # per core in each of several kernels slows them all down.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     lock = threading.Lock()
 
     def run_group(group: list[Path]) -> None:
