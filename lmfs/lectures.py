@@ -21,7 +21,6 @@ full-scale run can be read without a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import html
 import json
 import os
@@ -31,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from lmfs.results import replace_between
 
@@ -193,7 +193,7 @@ def run_lecture(path: Path, out_dir: Path, scale: str, device: str, timeout: int
         try:
             # Each process of the run (the kernel, and workers it starts) writes its peak GPU memory
             # into ``peaks`` when it exits (lmfs.env).
-            with kernel_environment(), _environment(PEAK_DIR_VAR, peaks):
+            with kernel_environment(), mock.patch.dict(os.environ, {PEAK_DIR_VAR: peaks}):
                 papermill.execute_notebook(
                     str(path), str(output), parameters=params, kernel_name="python3",
                     cwd=str(path.parent), execution_timeout=timeout, progress_bar=False,
@@ -228,20 +228,6 @@ def failing_cell_output(path: Path, limit: int = 800) -> str:
             text = "".join("".join(o.get("text", "")) for o in outputs if o.get("output_type") == "stream")
             return text.strip()[-limit:]
     return ""
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str):
-    """``os.environ[name] = value`` while active (the kernels started inside inherit it)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def format_table(results: list[RunResult]) -> str:
