@@ -73,14 +73,25 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # GRPO from lmfs.alignment.sft_model (lecture 15's sizes); problems of these difficulties
             # (digits) from load_split("arithmetic", "train"), evaluated on the held-out test split
             train_digits=(1,), eval_digits=(1,), harder_digits=(2,), eval_problems=24,
-            grpo=dict(group_size=8, prompts_per_step=8, max_new_tokens=16, lr=1e-4, micro_batch_size=64,
-                      epochs_per_batch=2, kl_coef=0.05, clip=0.2, temperature=0.7),
-            steps=80,                       # the run on the true checker (~0.2 s a step on one core)
-            # reward hacking (section 9): two runs from the SFT model on the harder problems, one on the
-            # loose checker, one on the strict one; overrides of `grpo` (no KL leash, one epoch)
-            hack=dict(prompts_per_step=4, max_new_tokens=24, lr=1e-3, temperature=1.2, kl_coef=0.0,
-                      epochs_per_batch=1),
-            hack_steps=3,
+            # This model is fragile: one step of norm 0.1 along the exact policy gradient takes its reward
+            # from 0.44 to 0.2, so the learning rate stays at 1e-4 (3e-4 and up lowered the reward), and
+            # what buys a clear rise is less noise: 16 prompts a step (8 left the rise within the noise)
+            # and temperature 0.5 (at 0.7 the reward rose in some seeds only). 120 steps: a reward rise of
+            # 0.09-0.12 between the first and the last quarter of the steps in four seeds, 5 to 8 standard
+            # errors (100 steps: 3.4 to 6); held-out pass@1 from 0.25 to 0.42-0.53.
+            grpo=dict(group_size=8, prompts_per_step=16, max_new_tokens=16, lr=1e-4, micro_batch_size=64,
+                      epochs_per_batch=2, kl_coef=0.05, clip=0.2, temperature=0.5),
+            steps=120,                      # the run on the true checker (~0.35 s a step on one core)
+            # reward hacking (section 9): two runs from the SFT model, one on the loose checker, one on
+            # the strict one; overrides of `grpo` (no KL leash, one epoch). At smoke they only show that
+            # the loophole pays the model's own wrong answers (one-digit problems: it gets no two-digit
+            # one right, not even in its working); the drift towards it does not show at this size. Four
+            # loose runs of 30 steps at lr 2e-4 or 3e-4 (4 epochs, 8 x 8 rollouts, ~10 s each): the loose
+            # reward fell in three, and so did the strict runs' accuracy: the model broke rather than
+            # learned the loophole; 40 steps of 16 x 8 at lr 1e-4 (~15 s a run) moved it by noise only
+            hack_digits=(1,),
+            hack=dict(prompts_per_step=8, max_new_tokens=24, temperature=0.7, kl_coef=0.0, epochs_per_batch=1),
+            hack_steps=6,
             eval_samples=8, k=(1, 8),       # answers per held-out problem, and the k of pass@k
         ),
         "full": dict(
@@ -93,6 +104,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             # the hacking runs: 3-digit problems (the SFT model is mostly wrong), no KL leash, one
             # epoch, 32 x 8 rollouts per step. A higher learning rate (3e-4) and temperature (1.2)
             # wrecked both runs on the H200: the policies wrote strings of numbers, right in neither
+            hack_digits=(3,),
             hack=dict(prompts_per_step=32, max_new_tokens=48, kl_coef=0.0, epochs_per_batch=1),
             hack_steps=100,
             eval_samples=8, k=(1, 8),
