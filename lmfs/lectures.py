@@ -365,6 +365,12 @@ def _run_side_by_side(groups: list[list[Path]], out: Path, scale: str, device: s
                 if line.startswith("  ") and (" ok in " in line or " failed in " in line):
                     collect()
         collect()
+        for path in group:   # a lecture its process never reported (it was killed, or failed to start)
+            if path.stem not in seen:
+                with lock:
+                    finished(RunResult(path.stem, "failed", 0.0, "",
+                                       f"its process (python -m lmfs.lectures run) exited with code {proc.returncode} "
+                                       "before reporting it"))
         shutil.rmtree(folder, ignore_errors=True)   # its notebooks moved, its results handed on
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
