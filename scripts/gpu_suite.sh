@@ -12,7 +12,7 @@
 #      (open book/index.html).
 # A failing step is recorded and the suite goes on; the exit code is non-zero if any step failed.
 # TESTS (default "tests") and LECTURES (default: all; e.g. "02 05") narrow steps 2 and 3;
-# "none" skips one. LMFS_GPU_MEMORY_GB=22 caps each lecture's GPU memory as a 24 GB card would
+# "none" skips one; PACK=1 leaves $OUT as one archive. LMFS_GPU_MEMORY_GB=22 caps each lecture's GPU memory as a 24 GB card would
 # (lmfs.env.apply_memory_cap); the lecture table records each lecture's peak either way.
 # LECTURE_JOBS=6 runs six lectures at a time on the GPU (lmfs.lectures run --jobs): all 17 at full
 # scale, each slower than alone; lectures.json is rewritten as each finishes.
@@ -87,4 +87,9 @@ done
 
 { echo; echo "## Failed steps"; echo; if [ ${#failed[@]} -eq 0 ]; then echo none; else printf -- '- %s\n' "${failed[@]}"; fi; } >> "$report"
 echo "report written to $report"
+# PACK=1: everything in $OUT as one archive (a runner that returns a few files takes it whole).
+if [ -n "${PACK:-}" ]; then
+  tar -czf /tmp/gpu-suite.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu-suite.tar.gz "$OUT/" \
+    && echo "packed into $OUT/gpu-suite.tar.gz"
+fi
 [ ${#failed[@]} -eq 0 ]
