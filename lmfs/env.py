@@ -156,10 +156,15 @@ def apply_memory_cap(device: torch.device) -> float | None:
         raise ValueError(f"{MEMORY_CAP_VAR}={value!r}: give the cap in GiB, e.g. 22") from None
     if gib <= 0:
         raise ValueError(f"{MEMORY_CAP_VAR}={value!r}: the cap must be positive")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory / 2**30
+    index, total = gpu_memory_gib(device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib / total), index)
     return min(gib, total)
+
+
+def gpu_memory_gib(device: torch.device) -> tuple[int, float]:
+    """``(index, GiB)``: the CUDA ``device``'s index (the current one for plain ``cuda``) and its memory."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch.cuda.get_device_properties(index).total_memory / 2**30
 
 
 def _record_peak_memory() -> None:
@@ -310,8 +315,7 @@ def setup(scale: str = "auto", device: str = "auto", seed: int = 0, quiet: bool 
         if dev.type == "cuda" and session.dtype != torch.bfloat16:
             print(NO_BF16_NOTE)
         if dev.type == "cuda" and session.full:
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-            memory = torch.cuda.get_device_properties(index).total_memory / 2**30
+            _, memory = gpu_memory_gib(dev)
             if memory < FULL_SCALE_GIB:
                 print(f"note: full scale is sized to fit {FULL_SCALE_GIB} GiB of GPU memory (a 24 GB card); this GPU "
                       f"has {memory:.0f} GiB: if a lecture runs out of memory, run it with SCALE='smoke'")

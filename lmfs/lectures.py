@@ -253,7 +253,7 @@ def _chains(paths: list[Path]) -> list[list[Path]]:
     """``paths`` grouped into the runs that go one after another (:data:`CHAINS`), longest first."""
     number = {lec.stem: lec.number for lec in LECTURES}
     groups: list[list[Path]] = []
-    placed: dict[str, list[Path]] = {}
+    placed: dict[tuple[str, ...], list[Path]] = {}
     for path in paths:
         chain = next((c for c in CHAINS if number.get(path.stem) in c), None)
         if chain is None:
