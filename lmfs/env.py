@@ -184,6 +184,21 @@ def _record_peak_memory() -> None:
 atexit.register(_record_peak_memory)
 
 
+def _record_after_each_cell() -> None:
+    """In a Jupyter kernel, also after every cell: a client that shuts a kernel down kills it if it
+    takes more than a few seconds to exit (after torch.compile, say), and its at-exit handlers never run."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and os.environ.get(PEAK_DIR_VAR):
+        shell.events.register("post_run_cell", lambda result: _record_peak_memory())
+
+
+_record_after_each_cell()
+
+
 def read_peak_memory(folder: str | os.PathLike) -> tuple[float | None, int]:
     """``(GiB, processes)``: the peak GPU memory the processes that wrote into ``folder`` reserved,
     added up (an upper bound on their peak together, since each one's peak is counted as if they

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
+from lmfs.data.pipeline import write_atomic
 from lmfs.results import replace_between
 
 REPO = Path(__file__).resolve().parent.parent
@@ -267,12 +268,11 @@ def _chains(paths: list[Path]) -> list[list[Path]]:
 
 
 def _write_reports(out: Path, scale: str, device: str, results: list[RunResult]) -> str:
-    """``lectures.md`` and ``lectures.json`` in ``out`` for ``results`` so far (rewritten after each
-    lecture, so a run stopped part-way keeps what finished); returns the table."""
+    """Rewrite ``out``'s lectures.md and .json whole (run --jobs reads them as they change); return the table."""
     table = format_table(results)
-    (out / "lectures.md").write_text(f"scale={scale} device={device}\n\n{table}\n")
-    (out / "lectures.json").write_text(json.dumps(
-        {"scale": scale, "device": device, "results": [r.__dict__ for r in results]}, indent=1))
+    write_atomic(out / "lectures.md", [f"scale={scale} device={device}\n\n{table}\n"])
+    write_atomic(out / "lectures.json", [json.dumps(
+        {"scale": scale, "device": device, "results": [r.__dict__ for r in results]}, indent=1)])
     return table
 
 

@@ -1,4 +1,5 @@
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,6 +88,27 @@ def test_peak_memory_files_add_up(tmp_path):
     (tmp_path / "1.json").write_text('{"pid": 1, "reserved_bytes": 1073741824}')
     (tmp_path / "2.json").write_text('{"pid": 2, "reserved_bytes": 536870912}')
     assert read_peak_memory(tmp_path) == (1.5, 2)
+
+
+def test_a_kernel_records_its_peak_after_each_cell(tmp_path, monkeypatch):
+    # A kernel killed at shutdown never runs its at-exit handlers: the peak is written after each cell.
+    import IPython
+    import torch
+
+    import lmfs.env
+
+    callbacks = []
+    shell = SimpleNamespace(events=SimpleNamespace(register=lambda event, fn: callbacks.append((event, fn))))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    monkeypatch.setenv(lmfs.env.PEAK_DIR_VAR, str(tmp_path))
+    for name, value in (("is_available", True), ("is_initialized", True), ("device_count", 1)):
+        monkeypatch.setattr(torch.cuda, name, lambda v=value: v)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda i: 3 * 2**30)
+    lmfs.env._record_after_each_cell()
+    assert [event for event, _ in callbacks] == ["post_run_cell"]
+    assert lmfs.env.read_peak_memory(tmp_path) == (None, 0)
+    callbacks[0][1](None)   # a cell ran
+    assert lmfs.env.read_peak_memory(tmp_path) == (3.0, 1)
 
 
 def test_memory_cap_is_checked_and_only_applies_to_cuda(monkeypatch):

@@ -44,6 +44,7 @@ CONFIGS: dict[str, dict[str, dict]] = {
             bench_repeats=(1, 3),          # (warm-up calls, timed calls) of each bandwidth timing
             compile=False,                 # torch.compile costs ~20 s on a CPU: GPU only
             attn_seq_lens=(32, 64), attn_head_dims=(32,), attn_tokens=64, attn_heads=2,
+            attn_naive_max_scores=2**30,  # largest score matrix (elements) the written-out attention is timed at
             attn_repeats=(1, 2),           # (warm-up calls, timed calls) of each attention timing
             attn_autotune_candidates=None,  # the interpreter does not autotune
             # the model fuse_model is checked on (fused projections in PyTorch on a CPU)
@@ -69,6 +70,8 @@ CONFIGS: dict[str, dict[str, dict]] = {
             compile=True,
             # a few lengths: each new one re-times the candidates (~1 s), the kernels are compiled once
             attn_seq_lens=(1024, 4096, 8192), attn_head_dims=(128,), attn_tokens=16384, attn_heads=16,
+            # 2**30 scores: ~8 GiB for the written-out forward; T = 8192 (2**31) went past a 22 GiB cap
+            attn_naive_max_scores=2**30,
             attn_repeats=(3, 10),
             # the first 2 autotuning candidates per kernel (of up to 7; the likeliest winners come
             # first): 12 compiled attention kernels instead of 30 for D = 128, causal and not
