@@ -187,12 +187,11 @@ atexit.register(_record_peak_memory)
 def _record_after_each_cell() -> None:
     """In a Jupyter kernel, also after every cell: a client that shuts a kernel down kills it if it
     takes more than a few seconds to exit (after torch.compile, say), and its at-exit handlers never run."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
+    ipython = sys.modules.get("IPython")   # a kernel has imported it already; nothing else needs it
+    if ipython is None or not os.environ.get(PEAK_DIR_VAR):
         return
-    shell = get_ipython()
-    if shell is not None and os.environ.get(PEAK_DIR_VAR):
+    shell = ipython.get_ipython()
+    if shell is not None:
         shell.events.register("post_run_cell", lambda result: _record_peak_memory())
 
 

@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lmfs.accounting import (activation_memory_per_layer, flops_per_token, largest_trainable_model, matmul_params,
                              mfu, param_count, time_to_train, training_flops)
 from lmfs.bench import memory
-from lmfs.bench.memory import activation_bytes_per_layer, memory_at_peak, step_peak, training_memory
+from lmfs.bench.memory import activation_bytes_per_layer, memory_at_peak, step_peak, torch_step_peak, training_memory
 from lmfs.hardware import gpu
 from lmfs.nn import Linear, TransformerConfig, TransformerLM
 from lmfs.optim import AdamW
@@ -243,8 +243,6 @@ def test_peak_memory_needs_cuda():
 @pytest.mark.parametrize("checkpointing, grad_accum", [(False, 1), (True, 1), (False, 4)])
 def test_predicted_peak_equals_tracked_tensor_peak(checkpointing, grad_accum, vocab):
     """training_memory's total against the tensor bytes really alive at the peak of a step (CPU)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from lmfs.train import activation_checkpointing
 
     torch.manual_seed(0)
@@ -264,11 +262,7 @@ def test_predicted_peak_equals_tracked_tensor_peak(checkpointing, grad_accum, vo
     with activation_checkpointing(model) if checkpointing else contextlib.nullcontext():
         ours = step_peak(step, model, optimizer, x, y)
         if grad_accum == 1:  # torch's tracker handles one forward per module only
-            tracker = MemTracker()
-            tracker.track_external(model, optimizer, x, y)
-            with tracker:
-                step()
-            torch_peak = sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+            torch_peak = torch_step_peak(step, model, optimizer, x, y)
             assert abs(ours / torch_peak - 1) < 0.01  # our tracker agrees with torch's
     parts = training_memory(config, 8 // grad_accum, 64, compute_bytes=4,
                             activation_checkpointing=checkpointing, grad_accum=grad_accum)

@@ -119,6 +119,21 @@ def step_peak(step: Callable[[], object], model: torch.nn.Module, optimizer: tor
     return mem.peak
 
 
+def torch_step_peak(step: Callable[[], object], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    *batch: torch.Tensor) -> int:
+    """:func:`step_peak` measured by PyTorch's own tracker instead (``MemTracker``, which torch keeps
+    under a private module path): the independent reference ours is checked against. Like it, one
+    untracked call first. The tracker handles one forward per module only (no gradient accumulation)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *batch)
+    with tracker:
+        step()
+    return sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+
+
 def peak_memory(step: Callable[[], object], device: torch.device) -> int | None:
     """``torch.cuda.max_memory_allocated`` over one call of ``step`` (after one untracked call,
     which creates the optimizer state); ``None`` off CUDA, whose allocators keep no such counter

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import ipywidgets as widgets
 import numpy as np
 import torch
